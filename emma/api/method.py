@@ -1,0 +1,51 @@
+"""The ErasureMethod role: edit a pipeline's components so a concept can no longer be drawn."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Sequence
+
+
+class ErasureMethod(abc.ABC):
+    """Edits UNet / text-encoder weights of a diffusers pipeline; never subclasses or
+    monkey-patches the pipeline itself.
+
+    Subclasses set ``name`` and ``version`` (bump on any change that moves numbers), take
+    their hyper-parameters as constructor keyword arguments (these are hashed into the
+    erased-model cache key through :meth:`config`), and implement :meth:`erase`.
+    ``edited_components`` lists the pipeline components that :meth:`erase` changes; only
+    those are saved to the erased-model cache.
+    """
+
+    name: ClassVar[str] = "method"
+    version: ClassVar[str] = "0"
+    edited_components: ClassVar[tuple[str, ...]] = ("unet",)
+
+    def __init__(self, **hparams: Any) -> None:
+        self.hparams = dict(hparams)
+
+    def config(self) -> dict[str, Any]:
+        """Everything that determines the erased weights (besides base model and concepts)."""
+        return {"name": self.name, "version": self.version, **self.hparams}
+
+    @abc.abstractmethod
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+        """Erase ``concepts`` from ``pipe`` in place and return it.
+
+        Args:
+            pipe: a diffusers pipeline (its ``unet`` / ``text_encoder`` are edited).
+            concepts: concept names as the domain spells them.
+            seed: seed of every random draw the method makes.
+            domain: the concept domain (methods pick domain-specific guide/anchor concepts).
+        """
+
+
+class NoErasure(ErasureMethod):
+    """The identity: the base model, for baselines."""
+
+    name = "none"
+    version = "1"
+    edited_components = ()
+
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+        return pipe

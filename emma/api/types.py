@@ -1,0 +1,81 @@
+"""Typed records that cross role boundaries."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+import torch
+
+EA_TYPES: tuple[str, ...] = ("name", "prefix", "variant", "short", "long")
+RA_TYPES: tuple[str, ...] = ("random", "similar")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRequest:
+    """One prompt to render ``n_images`` times (seeds ``seed``, ``seed+1``, ...).
+
+    Args:
+        prompt: the text given to the pipeline.
+        concept: the concept whose presence the judge checks in the images.
+        group: ``"ea"`` (target concept: success = absent), ``"ra"`` (non-target concept:
+            success = present) or ``"attack"``.
+        kind: prompt type within the group (``name``, ``prefix``, ..., ``random``,
+            ``similar``, or an attacker's own label).
+        seed: first seed.
+        n_images: images per prompt.
+    """
+
+    prompt: str
+    concept: str
+    group: Literal["ea", "ra", "attack", "bias", "fid"]
+    kind: str
+    seed: int = 0
+    n_images: int = 1
+    negative_prompt: Optional[str] = None
+    guidance_scale: Optional[float] = None
+
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.n_images)]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One generated and judged image (a line of ``samples.jsonl``)."""
+
+    prompt: str
+    seed: int
+    concept: str
+    group: str
+    kind: str
+    image_hash: str
+    detected: bool
+    score: float
+    cached: bool = False
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class AttackOutput:
+    """What an attacker produced for one request: the adversarial prompt (or embeddings) and
+    the judged images it yields on the target model."""
+
+    request: PromptRequest
+    adversarial_prompt: str
+    samples: list[Sample]
+    success: bool
+    prompt_embeds_hash: Optional[str] = None
+    queries: int = 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class GeneratedImages:
+    """Images of one generation call, in request order."""
+
+    images: torch.Tensor  # (N, 3, H, W) float in [0, 1]
+    hashes: list[str]
+    cached: list[bool]

@@ -1,0 +1,145 @@
+"""Content-addressed caches, written atomically.
+
+Every file is written under a temporary name carrying the writer's pid and renamed into
+place (``os.replace`` is atomic on POSIX), so a killed process leaves either the complete
+file or a ``*.tmp`` that :func:`sweep_stale_tmp` removes when no live process owns it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+TMP_SUFFIX = ".tmp"
+
+
+def stable_hash(obj: Any) -> str:
+    """sha256 of a JSON-serialisable object with sorted keys."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_tmp(root: Path) -> int:
+    """Remove temporary files/folders under ``root`` whose writer is no longer running."""
+    removed = 0
+    if not root.exists():
+        return 0
+    for p in root.rglob(f"*{TMP_SUFFIX}"):
+        try:
+            pid = int(p.name[: -len(TMP_SUFFIX)].rsplit(".", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(N, 3, H, W) float in [0, 1] -> (N, H, W, 3) uint8, rounding as PIL does."""
+    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return arr.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def from_uint8(arr: np.ndarray) -> torch.Tensor:
+    """(N, H, W, 3) uint8 -> (N, 3, H, W) float in [0, 1]."""
+    return torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2).float() / 255.0
+
+
+class ImageCache:
+    """PNG images keyed by the sha256 of everything that determines them."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root) / "images"
+        self.root.mkdir(parents=True, exist_ok=True)
+        sweep_stale_tmp(self.root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.png"
+
+    def get(self, key: str) -> np.ndarray | None:
+        p = self.path(key)
+        if not p.exists():
+            return None
+        with Image.open(p) as im:
+            return np.asarray(im.convert("RGB"))
+
+    def put(self, key: str, image: np.ndarray) -> str:
+        """Store a (H, W, 3) uint8 image; returns the sha256 of the pixels."""
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="PNG")
+        atomic_write_bytes(self.path(key), buf.getvalue())
+        return pixel_hash(image)
+
+
+def pixel_hash(image: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest()
+
+
+class ScoreCache:
+    """Classifier outputs keyed by image pixel hash + classifier cache key."""
+
+    def __init__(self, root: str | os.PathLike, classifier_key: str) -> None:
+        self.root = Path(root) / "scores" / classifier_key
+        self.root.mkdir(parents=True, exist_ok=True)
+        sweep_stale_tmp(self.root)
+
+    def path(self, image_hash: str) -> Path:
+        return self.root / image_hash[:2] / f"{image_hash}.npy"
+
+    def get(self, image_hash: str) -> np.ndarray | None:
+        p = self.path(image_hash)
+        if not p.exists():
+            return None
+        return np.load(p)
+
+    def put(self, image_hash: str, probs: np.ndarray) -> None:
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(probs, dtype=np.float32))
+        atomic_write_bytes(self.path(image_hash), buf.getvalue())

@@ -1,0 +1,221 @@
+"""Seeded, batched, content-addressed image generation and judging.
+
+Each image has its own ``torch.Generator`` (made on the CPU), so an image depends only on
+(model fingerprint, prompt or embeddings, negative prompt, seed, scheduler, steps, guidance,
+size) — never on which other images share its batch — and is cached under the sha256 of
+exactly those. Images are stored and returned as 8-bit values, so a cached image and a
+fresh one are the same tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from emma.api.classifier import Classifier
+from emma.api.types import GeneratedImages
+from emma.cache import ImageCache, ScoreCache, from_uint8, pixel_hash, stable_hash, tensor_hash, to_uint8
+
+
+class CachedGenerator:
+    """Generates images with a diffusers pipeline through an :class:`ImageCache`.
+
+    Args:
+        pipe: a diffusers text-to-image pipeline.
+        model_fingerprint: sha256 of the pipeline's weights (:func:`emma.pipelines.fingerprint`).
+        cache: the image cache.
+        num_inference_steps / guidance_scale / height / width: sampler settings.
+        batch_size: images per pipeline call.
+        negative_prompt: default negative prompt.
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        model_fingerprint: str,
+        cache: ImageCache,
+        *,
+        num_inference_steps: int,
+        guidance_scale: float,
+        height: int,
+        width: int,
+        batch_size: int = 8,
+        negative_prompt: str | None = None,
+    ) -> None:
+        self.pipe = pipe
+        self.model_fingerprint = model_fingerprint
+        self.cache = cache
+        self.num_inference_steps = int(num_inference_steps)
+        self.guidance_scale = float(guidance_scale)
+        self.height, self.width = int(height), int(width)
+        self.batch_size = int(batch_size)
+        self.negative_prompt = negative_prompt
+        self.images_generated = 0
+        self.images_cached = 0
+        self.generation_seconds = 0.0
+
+    def settings(self) -> dict[str, Any]:
+        sched = self.pipe.scheduler
+        return {
+            "scheduler": type(sched).__name__,
+            "scheduler_config": {k: v for k, v in dict(sched.config).items() if not k.startswith("_")},
+            "num_inference_steps": self.num_inference_steps,
+            "guidance_scale": self.guidance_scale,
+            "height": self.height,
+            "width": self.width,
+        }
+
+    def image_key(self, prompt_id: str, seed: int, negative_prompt: str | None) -> str:
+        return stable_hash(
+            {
+                "model": self.model_fingerprint,
+                "prompt": prompt_id,
+                "negative_prompt": negative_prompt,
+                "seed": int(seed),
+                **self.settings(),
+            }
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str] | None = None,
+        seeds: Sequence[int] = (),
+        *,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt: str | None = None,
+        progress: bool | str = False,
+    ) -> GeneratedImages:
+        """One image per (prompt or ``prompt_embeds`` row, seed), in order.
+
+        Args:
+            prompts: texts; or ``None`` when ``prompt_embeds`` is given.
+            seeds: one seed per image.
+            prompt_embeds: ``(N, L, D)`` text-encoder outputs (white-box attackers).
+            negative_prompt: overrides the generator's default.
+            progress: show a progress bar (a string is its description).
+        """
+        neg = negative_prompt if negative_prompt is not None else self.negative_prompt
+        if prompt_embeds is not None:
+            n = prompt_embeds.shape[0]
+            ids = [f"embeds:{tensor_hash(prompt_embeds[i])}" for i in range(n)]
+        else:
+            if prompts is None:
+                raise ValueError("generate() needs prompts or prompt_embeds")
+            prompts = list(prompts)
+            n = len(prompts)
+            ids = list(prompts)
+        seeds = [int(s) for s in seeds]
+        if len(seeds) != n:
+            raise ValueError(f"generate() got {n} prompts but {len(seeds)} seeds; give one seed per image")
+        keys = [self.image_key(ids[i], seeds[i], neg) for i in range(n)]
+        out: list[np.ndarray | None] = [self.cache.get(k) for k in keys]
+        cached = [o is not None for o in out]
+        todo = [i for i in range(n) if out[i] is None]
+        self.images_cached += n - len(todo)
+        bar = tqdm(total=len(todo), desc=progress if isinstance(progress, str) else "generate",
+                   disable=not progress or not todo, unit="img")
+        for start in range(0, len(todo), self.batch_size):
+            idx = todo[start : start + self.batch_size]
+            t0 = time.perf_counter()
+            images = self._run(
+                [prompts[i] for i in idx] if prompt_embeds is None else None,
+                prompt_embeds[idx] if prompt_embeds is not None else None,
+                [seeds[i] for i in idx], neg,
+            )
+            self.generation_seconds += time.perf_counter() - t0
+            for j, i in enumerate(idx):
+                self.cache.put(keys[i], images[j])
+                out[i] = images[j]
+            self.images_generated += len(idx)
+            bar.update(len(idx))
+        bar.close()
+        arr = np.stack(out) if n else np.zeros((0, self.height, self.width, 3), np.uint8)
+        return GeneratedImages(images=from_uint8(arr), hashes=[pixel_hash(a) for a in arr], cached=cached)
+
+    @torch.no_grad()
+    def _run(self, prompts, prompt_embeds, seeds, negative_prompt) -> np.ndarray:
+        generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+        kwargs: dict[str, Any] = dict(
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            height=self.height,
+            width=self.width,
+            generator=generators,
+            output_type="pt",
+        )
+        if prompt_embeds is not None:
+            kwargs["prompt_embeds"] = prompt_embeds.to(self.pipe.device, self.pipe.unet.dtype)
+            if negative_prompt is not None or self.guidance_scale > 1:
+                neg = self.pipe.encode_prompt(
+                    [negative_prompt or ""] * len(seeds), self.pipe.device, 1, False
+                )[0]
+                kwargs["negative_prompt_embeds"] = neg
+        else:
+            kwargs["prompt"] = list(prompts)
+            if negative_prompt is not None:
+                kwargs["negative_prompt"] = [negative_prompt] * len(prompts)
+        images = self.pipe(**kwargs).images
+        return to_uint8(images)
+
+
+class Judge:
+    """Scores images with a classifier through a :class:`ScoreCache` keyed by pixel hash."""
+
+    def __init__(self, classifier: Classifier, cache: ScoreCache) -> None:
+        self.classifier = classifier
+        self.cache = cache
+        self.images_scored = 0
+
+    def score(self, images: torch.Tensor, hashes: Sequence[str] | None = None,
+              progress: bool | str = False) -> torch.Tensor:
+        if hashes is None:
+            hashes = [pixel_hash(a) for a in to_uint8(images)]
+        rows: list[np.ndarray | None] = [self.cache.get(h) for h in hashes]
+        todo = [i for i, r in enumerate(rows) if r is None]
+        if todo:
+            bs = 256
+            bar = tqdm(total=len(todo), desc=progress if isinstance(progress, str) else "classify",
+                       disable=not progress, unit="img")
+            for s in range(0, len(todo), bs):
+                idx = todo[s : s + bs]
+                probs = self.classifier.predict(images[idx]).float().cpu().numpy()
+                for j, i in enumerate(idx):
+                    self.cache.put(hashes[i], probs[j])
+                    rows[i] = probs[j]
+                self.images_scored += len(idx)
+                bar.update(len(idx))
+            bar.close()
+        if not rows:
+            return torch.zeros(0, len(self.classifier.labels))
+        return torch.from_numpy(np.stack(rows))
+
+
+class GenerationTarget:
+    """The attack target: an (erased) pipeline behind a cached generator and a judge.
+
+    Implements :class:`emma.api.attacker.AttackTarget`.
+    """
+
+    def __init__(self, generator: CachedGenerator, judge: Judge) -> None:
+        self.generator = generator
+        self.judge = judge
+
+    @property
+    def pipe(self) -> Any:
+        return self.generator.pipe
+
+    def generate(self, prompts=None, seeds=(), *, prompt_embeds=None, negative_prompt=None,
+                 progress: bool | str = False) -> GeneratedImages:
+        return self.generator.generate(prompts, seeds, prompt_embeds=prompt_embeds,
+                                       negative_prompt=negative_prompt, progress=progress)
+
+    def score(self, images: torch.Tensor, hashes: Sequence[str] | None = None,
+              progress: bool | str = False) -> torch.Tensor:
+        return self.judge.score(images, hashes, progress=progress)
+
+    def detect(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
+        return self.judge.classifier.detect(probs, concept)

@@ -1,0 +1,96 @@
+"""Architectures of the tiny world, as data.
+
+The components are the classes SD v1.x uses (``UNet2DConditionModel``, ``AutoencoderKL``,
+``CLIPTextModel``, ``CLIPTokenizer``, ``PNDMScheduler``) at miniature sizes, so that every
+code path the harness runs on the tiny world is the one it runs on Stable Diffusion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# 32x32 RGB -> 8x8x8 latents (two downsamplings; vae_scale_factor = 4).
+VAE_CONFIG: dict[str, Any] = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 3,
+    up_block_types=("UpDecoderBlock2D",) * 3,
+    block_out_channels=(32, 64, 64),
+    layers_per_block=1,
+    latent_channels=8,
+    norm_num_groups=16,
+    sample_size=32,
+)
+
+TEXT_ENCODER_CONFIG: dict[str, Any] = dict(
+    vocab_size=49408,
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=77,
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=49407,
+    hidden_act="quick_gelu",
+    projection_dim=64,
+)
+
+UNET_CONFIG: dict[str, Any] = dict(
+    sample_size=8,
+    in_channels=8,
+    out_channels=8,
+    block_out_channels=(64, 128, 128),
+    layers_per_block=1,
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=64,
+    attention_head_dim=8,
+    norm_num_groups=32,
+)
+
+# The SD v1.4 scheduler configuration.
+SCHEDULER_CONFIG: dict[str, Any] = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    skip_prk_steps=True,
+    steps_offset=1,
+    set_alpha_to_one=False,
+)
+
+# diffusers' test sizes (tests/pipelines/stable_diffusion get_dummy_components), used by
+# model=tiny_random: a randomly initialised pipeline for plumbing tests.
+TINY_RANDOM_UNET: dict[str, Any] = dict(
+    block_out_channels=(4, 8),
+    layers_per_block=1,
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=32,
+    norm_num_groups=2,
+)
+TINY_RANDOM_VAE: dict[str, Any] = dict(
+    block_out_channels=(4, 8),
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    latent_channels=4,
+    norm_num_groups=2,
+)
+TINY_RANDOM_TEXT_ENCODER: dict[str, Any] = dict(
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=49407,
+    hidden_size=32,
+    intermediate_size=37,
+    layer_norm_eps=1e-05,
+    num_attention_heads=4,
+    num_hidden_layers=5,
+    vocab_size=49408,
+    max_position_embeddings=77,
+)

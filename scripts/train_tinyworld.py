@@ -1,0 +1,331 @@
+"""Train the tiny world: VAE -> classifier -> latent pool -> UNet + text encoder -> export.
+
+Deterministic (every random draw comes from the seed and the step number) and resumable:
+each stage writes its result into ``--work-dir`` atomically and is skipped when present;
+the UNet stage checkpoints every ``--ckpt-every`` steps and resumes from the latest one.
+CPU by default (``--device cuda`` trains the same on a GPU).
+
+    python scripts/train_tinyworld.py                     # full run (about an hour on 2 cores)
+    python scripts/train_tinyworld.py --export emma/tinyworld/assets
+
+The exported folder loads with
+``StableDiffusionPipeline.from_pretrained(folder / "pipeline", local_files_only=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from classifiers.tinyworld import HEADS, TinyWorldNet  # noqa: E402
+from emma.tinyworld import arch  # noqa: E402
+from emma.tinyworld.tokenizer import local_clip_tokenizer  # noqa: E402
+from emma.tinyworld.world import caption, render_batch, sample_specs  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def batch_images(seed: int, step: int, n: int) -> tuple[list, torch.Tensor]:
+    specs = sample_specs(n, seed=seed * 1_000_003 + step)
+    return specs, torch.from_numpy(render_batch(specs))
+
+
+# --------------------------------------------------------------------------- VAE
+def train_vae(args, work: Path):
+    from diffusers import AutoencoderKL
+
+    out = work / "vae.pt"
+    if out.exists():
+        log("vae: done, skipping")
+        return
+    torch.manual_seed(args.seed)
+    vae = AutoencoderKL(**arch.VAE_CONFIG).to(args.device)
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    log(f"vae: {sum(p.numel() for p in vae.parameters()) / 1e6:.2f}M params")
+    for step in tqdm(range(args.vae_steps), desc="vae", mininterval=10):
+        lr = args.vae_lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * (1 - step / args.vae_steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        _, x = batch_images(args.seed + 11, step, args.vae_batch)
+        x = (x * 2 - 1).to(args.device)
+        post = vae.encode(x).latent_dist
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen).to(args.device)
+        rec = vae.decode(z).sample
+        kl = post.kl().mean() / x[0].numel()
+        loss = F.mse_loss(rec, x) + 0.5 * F.l1_loss(rec, x) + args.vae_kl * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 500 == 0:
+            log(f"vae step {step} loss {loss.item():.4f}")
+    atomic_save(vae.state_dict(), out)
+
+
+def load_vae(args, work: Path):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(**arch.VAE_CONFIG)
+    vae.load_state_dict(torch.load(work / "vae.pt", map_location="cpu"))
+    return vae.to(args.device).eval()
+
+
+@torch.no_grad()
+def reconstruct(vae, x: torch.Tensor) -> torch.Tensor:
+    z = vae.encode(x * 2 - 1).latent_dist.mean
+    return ((vae.decode(z).sample + 1) / 2).clamp(0, 1)
+
+
+# --------------------------------------------------------------------------- classifier
+def targets(specs) -> dict[str, torch.Tensor]:
+    return {
+        "shape": torch.tensor([HEADS["shape"].index(s.shape) for s in specs]),
+        "colour": torch.tensor([HEADS["colour"].index(s.colour) for s in specs]),
+        "style": torch.tensor([HEADS["style"].index(s.style) for s in specs]),
+    }
+
+
+def train_classifier(args, work: Path):
+    out = work / "classifier.pt"
+    if out.exists():
+        log("classifier: done, skipping")
+        return
+    vae = load_vae(args, work)
+    torch.manual_seed(args.seed + 2)
+    net = TinyWorldNet().to(args.device)
+    log(f"classifier: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M params")
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
+    for step in tqdm(range(args.clf_steps), desc="classifier", mininterval=10):
+        for g in opt.param_groups:
+            g["lr"] = 2e-3 * (0.05 + 0.95 * (1 - step / args.clf_steps))
+        specs, x = batch_images(args.seed + 22, step, args.clf_batch)
+        x = x.to(args.device)
+        # half the batch through the VAE: the judge must read decoded images as renders
+        half = len(x) // 2
+        x = torch.cat([x[:half], reconstruct(vae, x[half:])])
+        net.train()
+        logits = net(x)
+        tgt = targets(specs)
+        loss = sum(F.cross_entropy(logits[k], tgt[k].to(args.device)) for k in HEADS)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    net.eval()
+    acc = eval_classifier(args, net, vae)
+    log(f"classifier held-out accuracy: {json.dumps(acc)}")
+    atomic_save({"state_dict": net.state_dict(), "accuracy": acc}, out)
+
+
+@torch.no_grad()
+def eval_classifier(args, net, vae, n: int = 2000) -> dict:
+    specs = sample_specs(n, seed=args.seed + 999_999)  # never used for training
+    x = torch.from_numpy(render_batch(specs)).to(args.device)
+    tgt = targets(specs)
+    acc = {}
+    for name, imgs in (("renders", x), ("vae_reconstructions", reconstruct(vae, x))):
+        logits = net(imgs)
+        per = {k: (logits[k].argmax(1).cpu() == tgt[k]).float().mean().item() for k in HEADS}
+        per["all"] = float(np.mean([
+            ((logits["shape"].argmax(1).cpu() == tgt["shape"])
+             & (logits["colour"].argmax(1).cpu() == tgt["colour"])
+             & (logits["style"].argmax(1).cpu() == tgt["style"])).float().mean().item()
+        ]))
+        acc[name] = per
+    acc["n"] = n
+    return acc
+
+
+# --------------------------------------------------------------------------- latent pool
+@torch.no_grad()
+def build_pool(args, work: Path):
+    out = work / "pool.pt"
+    if out.exists():
+        log("pool: done, skipping")
+        return
+    vae = load_vae(args, work)
+    specs = sample_specs(args.pool_size, seed=args.seed + 33)
+    means, stds = [], []
+    for i in tqdm(range(0, len(specs), 500), desc="encode pool", mininterval=10):
+        x = torch.from_numpy(render_batch(specs[i : i + 500])).to(args.device)
+        post = vae.encode(x * 2 - 1).latent_dist
+        means.append(post.mean.cpu())
+        stds.append(post.std.cpu())
+    mean, std = torch.cat(means), torch.cat(stds)
+    scaling = float(1.0 / mean.std())
+    log(f"pool: {len(specs)} latents, scaling factor {scaling:.4f}")
+    atomic_save({"specs": specs, "mean": mean, "std": std, "scaling": scaling}, out)
+
+
+# --------------------------------------------------------------------------- UNet + text
+def train_unet(args, work: Path):
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    final = work / "unet_final.pt"
+    if final.exists():
+        log("unet: done, skipping")
+        return
+    pool = torch.load(work / "pool.pt", map_location="cpu", weights_only=False)
+    tok = local_clip_tokenizer()
+    torch.manual_seed(args.seed + 3)
+    unet = UNet2DConditionModel(**arch.UNET_CONFIG).to(args.device)
+    te = CLIPTextModel(CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG)).to(args.device)
+    params = list(unet.parameters()) + list(te.parameters())
+    log(f"unet: {sum(p.numel() for p in unet.parameters()) / 1e6:.2f}M params, "
+        f"text encoder {sum(p.numel() for p in te.parameters()) / 1e6:.2f}M")
+    opt = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=0.01)
+    ema = {"unet": copy.deepcopy(unet.state_dict()), "te": copy.deepcopy(te.state_dict())}
+    sched = DDPMScheduler(**{k: v for k, v in arch.SCHEDULER_CONFIG.items()
+                             if k in ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")})
+    gen = torch.Generator().manual_seed(args.seed + 4)
+    start = 0
+    ckpt = work / "unet_ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        unet.load_state_dict(state["unet"])
+        te.load_state_dict(state["te"])
+        opt.load_state_dict(state["opt"])
+        ema = state["ema"]
+        gen.set_state(state["gen"])
+        start = state["step"]
+        log(f"unet: resumed at step {start}")
+    n_pool = len(pool["specs"])
+    t0 = time.time()
+    for step in tqdm(range(start, args.unet_steps), desc="unet", initial=start,
+                     total=args.unet_steps, mininterval=30):
+        lr = args.unet_lr * min(1.0, (step + 1) / 200)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rng = np.random.default_rng([args.seed, 44, step])
+        idx = rng.integers(n_pool, size=args.unet_batch)
+        caps = [caption(pool["specs"][i], rng) if rng.random() >= args.cond_drop else ""
+                for i in idx]
+        ids = tok(caps, padding="max_length", max_length=tok.model_max_length,
+                  truncation=True, return_tensors="pt").input_ids.to(args.device)
+        idx_t = torch.from_numpy(idx)
+        eps = torch.randn(pool["mean"][idx_t].shape, generator=gen)
+        lat = (pool["mean"][idx_t] + pool["std"][idx_t] * eps) * pool["scaling"]
+        noise = torch.randn(lat.shape, generator=gen)
+        t = torch.randint(0, sched.config.num_train_timesteps, (len(lat),), generator=gen)
+        noisy = sched.add_noise(lat, noise, t)
+        enc = te(ids)[0]
+        pred = unet(noisy.to(args.device), t.to(args.device), enc).sample
+        loss = F.mse_loss(pred, noise.to(args.device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        decay = min(args.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for key, model in (("unet", unet), ("te", te)):
+                for name, p in model.state_dict().items():
+                    if p.dtype.is_floating_point:
+                        ema[key][name].mul_(decay).add_(p.detach(), alpha=1 - decay)
+                    else:
+                        ema[key][name].copy_(p)
+        if (step + 1) % args.ckpt_every == 0 or step + 1 == args.unet_steps:
+            atomic_save({"unet": unet.state_dict(), "te": te.state_dict(),
+                         "opt": opt.state_dict(), "ema": ema, "gen": gen.get_state(),
+                         "step": step + 1}, ckpt)
+            log(f"unet step {step + 1} loss {loss.item():.4f} "
+                f"({(time.time() - t0) / (step + 1 - start):.2f} s/step)")
+    atomic_save({"ema": ema, "scaling": pool["scaling"]}, final)
+
+
+# --------------------------------------------------------------------------- export
+def export(args, work: Path, dest: Path):
+    from diffusers import PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from safetensors.torch import save_file
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    vae = load_vae(args, work).cpu()
+    final = torch.load(work / "unet_final.pt", map_location="cpu", weights_only=False)
+    vae.register_to_config(scaling_factor=final["scaling"])
+    unet = UNet2DConditionModel(**arch.UNET_CONFIG)
+    unet.load_state_dict(final["ema"]["unet"])
+    te = CLIPTextModel(CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG))
+    te.load_state_dict(final["ema"]["te"])
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=te, tokenizer=local_clip_tokenizer(), unet=unet,
+        scheduler=PNDMScheduler(**arch.SCHEDULER_CONFIG), safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / "pipeline.tmp"
+    pipe.to(torch.float16).save_pretrained(tmp, safe_serialization=True)
+    if (dest / "pipeline").exists():
+        import shutil
+
+        shutil.rmtree(dest / "pipeline")
+    os.replace(tmp, dest / "pipeline")
+    clf = torch.load(work / "classifier.pt", map_location="cpu", weights_only=False)
+    save_file({k: v.contiguous() for k, v in clf["state_dict"].items()},
+              str(dest / "classifier.safetensors"))
+    meta = {"classifier_accuracy": clf["accuracy"], "args": vars(args) | {"device": "cpu"}}
+    (dest / "training.json").write_text(json.dumps(meta, indent=2, default=str))
+    log(f"exported to {dest}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work-dir", default=str(ROOT / ".cache" / "tinyworld-train"))
+    p.add_argument("--export", default=None, help="folder to export the trained assets into")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--vae-steps", type=int, default=1000)
+    p.add_argument("--vae-batch", type=int, default=32)
+    p.add_argument("--vae-lr", type=float, default=1e-3)
+    p.add_argument("--vae-kl", type=float, default=1e-4)
+    p.add_argument("--clf-steps", type=int, default=600)
+    p.add_argument("--clf-batch", type=int, default=128)
+    p.add_argument("--pool-size", type=int, default=40000)
+    p.add_argument("--unet-steps", type=int, default=4000)
+    p.add_argument("--unet-batch", type=int, default=48)
+    p.add_argument("--unet-lr", type=float, default=8e-4)
+    p.add_argument("--cond-drop", type=float, default=0.1)
+    p.add_argument("--ema", type=float, default=0.999)
+    p.add_argument("--ckpt-every", type=int, default=250)
+    p.add_argument("--stop-after", choices=["vae", "classifier", "pool", "unet"], default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    for name, stage in (("vae", train_vae), ("classifier", train_classifier),
+                        ("pool", build_pool), ("unet", train_unet)):
+        t = time.time()
+        stage(args, work)
+        log(f"stage {name}: {time.time() - t:.0f} s")
+        if args.stop_after == name:
+            return
+    if args.export:
+        export(args, work, Path(args.export))
+    log(f"total wall time {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
