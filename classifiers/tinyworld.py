@@ -8,8 +8,8 @@ renders). Its weights ship in ``emma/tinyworld/assets/classifier.safetensors``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -75,8 +75,8 @@ class TinyWorldClassifier(Classifier):
     the head's top-1 and its probability is at least ``threshold``.
 
     Args:
-        weights: path of a ``safetensors`` state dict; ``None`` gives random weights
-            (plumbing only).
+        weights: ``"shipped"`` (the package's weights), a path of a ``safetensors`` state
+            dict, or ``None`` for random weights (plumbing only).
         threshold: minimum probability of the top-1 label.
         device: torch device for inference.
         batch_size: images per forward pass.
@@ -87,7 +87,7 @@ class TinyWorldClassifier(Classifier):
 
     def __init__(
         self,
-        weights: str | Path | None = str(DEFAULT_WEIGHTS),
+        weights: str | Path | None = "shipped",
         threshold: float = 0.5,
         device: str = "cpu",
         batch_size: int = 256,
@@ -99,7 +99,7 @@ class TinyWorldClassifier(Classifier):
         self.net = TinyWorldNet()
         self._weights_hash: str | None = None
         if weights is not None:
-            path = Path(weights)
+            path = DEFAULT_WEIGHTS if str(weights) == "shipped" else Path(weights)
             if not path.exists():
                 raise WeightsUnavailableError(
                     f"tiny-world classifier weights not found at {path}. They ship with the "

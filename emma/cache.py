@@ -143,3 +143,11 @@ class ScoreCache:
         buf = io.BytesIO()
         np.save(buf, np.asarray(probs, dtype=np.float32))
         atomic_write_bytes(self.path(image_hash), buf.getvalue())
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,220 @@
+"""One cell: (model, method, domain, concept, attacker, seeds) -> results.json + samples.jsonl.
+
+Stages: load base model -> erase (cached by hash) -> generate the domain's EA/RA suite
+(cached per image) -> judge (cached per image hash + classifier) -> attack -> metrics ->
+write. Every stage is idempotent; a killed cell re-run picks up every finished image.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+import hydra
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from emma.api.attacker import Attacker
+from emma.api.classifier import Classifier
+from emma.api.domain import Domain
+from emma.api.method import ErasureMethod
+from emma.api.types import EA_TYPES, RA_TYPES, Sample
+from emma.cache import ImageCache, ScoreCache, atomic_write_text, sha256_file
+from emma.erase import erase_cached
+from emma.errors import ConfigError, UnknownChoiceError
+from emma.evaluate import judge_requests
+from emma.generate import CachedGenerator, GenerationTarget, Judge
+from emma.metrics.base import MetricValue
+from emma.metrics.rates import AttackSuccessRate, ErasingAbility, RetainingAbility
+from emma.pipelines import fingerprint, load_pipeline
+from emma.results import CellInfo, CellResult
+
+log = logging.getLogger(__name__)
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def classifier_config(cfg: DictConfig, domain: Domain) -> DictConfig:
+    """The classifier config: the ``classifier`` group's choice, or the domain's default
+    judge when that choice is ``auto``."""
+    ccfg = cfg.classifier
+    if ccfg.get("_target_") is None:
+        name = domain.classifier
+        path = CONF_DIR / "classifier" / f"{name}.yaml"
+        if not path.exists():
+            valid = [p.stem for p in (CONF_DIR / "classifier").glob("*.yaml") if p.stem != "auto"]
+            raise UnknownChoiceError(f"classifier (default of domain '{domain.name}')", name, valid)
+        base = OmegaConf.load(path)
+        overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
+        ccfg = OmegaConf.merge(base, overrides)
+    return ccfg
+
+
+def git_hash() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def rate_metrics(samples: list[Sample], attack_samples: list[Sample], seed: int) -> dict[str, MetricValue]:
+    """EA per prompt type, RA per type, ASR (post-attack) and ``asr/pre`` (the attack
+    requests' original prompts, i.e. before the attacker changed them)."""
+    out: dict[str, MetricValue] = {}
+    for kind in EA_TYPES:
+        det = [s.detected for s in samples if s.group == "ea" and s.kind == kind]
+        if det:
+            m = ErasingAbility(seed=seed)
+            m.update(det)
+            out[f"ea/{kind}"] = m.compute()
+    for kind in RA_TYPES:
+        det = [s.detected for s in samples if s.group == "ra" and s.kind == kind]
+        if det:
+            m = RetainingAbility(seed=seed)
+            m.update(det)
+            out[f"ra/{kind}"] = m.compute()
+    if attack_samples:
+        m = AttackSuccessRate(seed=seed)
+        m.update([s.detected for s in attack_samples])
+        out["asr"] = m.compute()
+        pre = AttackSuccessRate(seed=seed)
+        pre.update([s.detected for s in samples if s.group == "ea"])
+        out["asr/pre"] = pre.compute()
+    return out
+
+
+def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
+    """Run one cell and write ``results.json`` and ``samples.jsonl`` into ``output_dir``."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    timing: dict[str, float] = {}
+    notes: list[str] = []
+    cache_root = Path(cfg.paths.cache_dir).expanduser()
+
+    t = time.perf_counter()
+    domain: Domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
+    concept = domain.concept(cfg.concept or domain.default_concept).name
+    ccfg = classifier_config(cfg, domain)
+    classifier: Classifier = hydra.utils.instantiate(ccfg, _convert_="all")
+    method: ErasureMethod = hydra.utils.instantiate(cfg.method, _convert_="all")
+    attacker: Attacker = hydra.utils.instantiate(cfg.attacker, _convert_="all")
+    requests = domain.requests(concept, seed=int(cfg.seed),
+                               images_per_prompt=cfg.images_per_prompt,
+                               types=list(cfg.prompt_types) if cfg.prompt_types else None)
+    undetectable = sorted({r.concept for r in requests if not classifier.can_detect(r.concept)})
+    if undetectable:
+        raise ConfigError(
+            f"classifier '{classifier.name}' cannot judge {undetectable} (its labels: "
+            f"{', '.join(list(classifier.labels)[:20])}{', ...' if len(classifier.labels) > 20 else ''}); "
+            "choose another classifier=..."
+        )
+    timing["setup_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    pipe = load_pipeline(cfg.model)
+    base_fp = fingerprint(pipe)
+    timing["load_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    erased = erase_cached(pipe, method, [concept], cache_root, base_fingerprint=base_fp,
+                          domain=domain.name, seed=int(cfg.seed))
+    timing["erase_s"] = time.perf_counter() - t
+
+    generator = CachedGenerator(
+        erased.pipe, erased.fingerprint, ImageCache(cache_root),
+        num_inference_steps=cfg.model.num_inference_steps, guidance_scale=cfg.model.guidance_scale,
+        height=cfg.model.height, width=cfg.model.width, batch_size=cfg.model.batch_size,
+        negative_prompt=cfg.model.get("negative_prompt"),
+    )
+    judge = Judge(classifier, ScoreCache(cache_root, classifier.cache_key()))
+    target = GenerationTarget(generator, judge)
+
+    t = time.perf_counter()
+    per_request = judge_requests(target, requests, progress=f"suite: {domain.name}/{concept}")
+    samples = [s for group in per_request for s in group]
+    timing["suite_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    attack_requests = [r for r in requests if r.group == "ea"]
+    outputs = attacker.attack(target, attack_requests)
+    attack_samples = [s for o in outputs for s in o.samples]
+    timing["attack_s"] = time.perf_counter() - t
+
+    metrics = rate_metrics(samples, attack_samples, seed=int(cfg.seed))
+    metrics["time/unlearning_s"] = MetricValue(value=erased.unlearning_s, n=1)
+    if generator.images_generated:
+        metrics["time/inference_s_per_image"] = MetricValue(
+            value=generator.generation_seconds / generator.images_generated, n=generator.images_generated)
+
+    if getattr(classifier, "is_random", False) or cfg.model.kind == "tiny_random":
+        notes.append(
+            "PLUMBING ONLY: "
+            + ("the model is randomly initialised (model=tiny_random); " if cfg.model.kind == "tiny_random" else "")
+            + ("the classifier has random weights; " if getattr(classifier, "is_random", False) else "")
+            + "these numbers measure nothing about erasure."
+        )
+
+    counts = {
+        "prompts": len(requests),
+        "images": len(samples),
+        "images_generated": generator.images_generated,
+        "images_cached": generator.images_cached,
+        "images_scored": judge.images_scored,
+        "attack_outputs": len(outputs),
+    }
+    versions = {
+        "package": _package_version("emma-harness"),
+        "git": git_hash(),
+        "components": {
+            "method": method.config(),
+            "attacker": attacker.config(),
+            "classifier": {"name": classifier.name, "version": classifier.version,
+                           "weights_sha256": classifier.weights_hash()},
+            "domain": domain.config(),
+        },
+        "model": {"name": cfg.model.name, "base_fingerprint": base_fp,
+                  "erased_fingerprint": erased.fingerprint, "erase_key": erased.key},
+        "data_files": {k: sha256_file(p) for k, p in getattr(domain, "data_files", {}).items()},
+        "libraries": {n: _package_version(n) for n in ("torch", "diffusers", "transformers")},
+    }
+    result = CellResult(
+        metrics=metrics,
+        cell=CellInfo(model=cfg.model.name, method=method.name, domain=domain.name, concept=concept,
+                      attacker=attacker.name, classifier=classifier.name),
+        config=OmegaConf.to_container(cfg, resolve=True),
+        versions=versions, timing=timing, counts=counts, notes=notes,
+    )
+    lines = [json.dumps(s.to_json()) for s in samples]
+    lines += [json.dumps({**s.to_json(), "group": "attack", "adversarial_prompt": o.adversarial_prompt})
+              for o in outputs for s in o.samples]
+    atomic_write_text(output_dir / "samples.jsonl", "\n".join(lines) + "\n")
+    result.save(output_dir / "results.json")  # last: its presence marks a finished cell
+    return result
+
+
+def summary_table(result: CellResult) -> str:
+    """A short plain-text table of the metrics."""
+    rows = [f"{'metric':<28}{'value':>10}{'95% CI':>22}{'n':>8}"]
+    for k, v in sorted(result.metrics.items()):
+        ci = f"[{v.ci_low:.3f}, {v.ci_high:.3f}]" if v.ci_low is not None and not np.isnan(v.ci_low) else ""
+        rows.append(f"{k:<28}{v.value:>10.4f}{ci:>22}{v.n:>8}")
+    return "\n".join(rows)
+
+
+def describe(result: CellResult) -> str:
+    c = result.cell
+    head = (f"cell: model={c.model} method={c.method} domain={c.domain} concept={c.concept} "
+            f"attacker={c.attacker} classifier={c.classifier}")
+    counts = ", ".join(f"{k}={v}" for k, v in result.counts.items())
+    return "\n".join([head, summary_table(result), counts] + [f"NOTE: {n}" for n in result.notes])

@@ -1,0 +1,50 @@
+"""Render and judge prompt requests: the step that both suites and attackers share."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from emma.api.attacker import AttackTarget
+from emma.api.types import PromptRequest, Sample
+
+
+def judge_requests(
+    target: AttackTarget, requests: Sequence[PromptRequest], *, progress: bool | str = False
+) -> list[list[Sample]]:
+    """Generate every request's images (cached), judge them, and return samples per request.
+
+    A sample's ``detected`` says whether the judge found the request's ``concept``;
+    ``score`` is that concept's probability.
+    """
+    prompts: list[str] = []
+    seeds: list[int] = []
+    owner: list[int] = []
+    for i, req in enumerate(requests):
+        for s in req.seeds():
+            prompts.append(req.prompt)
+            seeds.append(s)
+            owner.append(i)
+    desc = progress if isinstance(progress, str) else "generate"
+    gen = target.generate(prompts, seeds, progress=desc if progress else False)
+    probs = target.score(gen.images, gen.hashes, progress="classify" if progress else False)
+    out: list[list[Sample]] = [[] for _ in requests]
+    by_concept: dict[str, list[int]] = {}
+    for j, i in enumerate(owner):
+        by_concept.setdefault(requests[i].concept, []).append(j)
+    detected = [False] * len(owner)
+    scores = [0.0] * len(owner)
+    classifier = target.judge.classifier if hasattr(target, "judge") else None
+    for concept, rows in by_concept.items():
+        det = target.detect(probs[rows], concept)
+        col = classifier.label_index(concept) if classifier is not None else None
+        for k, j in enumerate(rows):
+            detected[j] = bool(det[k])
+            scores[j] = float(probs[j, col]) if col is not None else float(det[k])
+    for j, i in enumerate(owner):
+        req = requests[i]
+        out[i].append(
+            Sample(prompt=req.prompt, seed=seeds[j], concept=req.concept, group=req.group,
+                   kind=req.kind, image_hash=gen.hashes[j], detected=detected[j],
+                   score=scores[j], cached=gen.cached[j])
+        )
+    return out

@@ -1,0 +1,378 @@
+"""FID: Fréchet distance between generated images and a reference set, in a feature space.
+
+EMMA (§quality) computes FID with Inception-v3 features between the images generated from
+the EA and RA prompts and a reference set (COCO validation images):
+
+    FID = ||mu_gen - mu_ref||^2 + Tr(Sigma_gen + Sigma_ref - 2 (Sigma_gen Sigma_ref)^(1/2))
+
+:class:`FrechetDistance` accumulates features batch by batch (torchmetrics-style) from an
+*injected* feature extractor, a callable ``(N, 3, H, W) float [0, 1] -> (N, D)``, so the
+same metric serves:
+
+- real FID: :class:`CleanFIDInception`, clean-fid's Inception-v3 in its "clean" mode (PIL
+  bicubic resize of the uint8 image to 299 px, TF-Inception pool3 features), against
+  reference statistics cached on disk (:func:`reference_statistics`; COCO-30k by default);
+- the tiny world: :func:`tinyworld_fid`, with the tiny-world classifier's penultimate
+  features against procedurally rendered reference scenes.
+
+Statistics and the distance itself are clean-fid's (``np.cov`` with ``ddof=1``,
+``cleanfid.fid.frechet_distance``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from emma.errors import ConfigError
+from emma.metrics.base import Metric, MetricValue
+
+FeatureExtractor = Callable[[torch.Tensor], torch.Tensor]
+DEFAULT_REFERENCE = "coco30k"
+
+
+# ---------------------------------------------------------------------------------------------
+# functional core
+
+
+def gaussian_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and (unbiased, ``ddof=1``) covariance of ``(N, D)`` features, as clean-fid."""
+    feats = np.asarray(features, dtype=np.float64)
+    if feats.ndim != 2 or feats.shape[0] < 2:
+        raise ValueError(f"need at least 2 feature vectors of shape (N, D), got {feats.shape}")
+    return feats.mean(axis=0), np.cov(feats, rowvar=False)
+
+
+def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
+    """Fréchet distance between two Gaussians (clean-fid's implementation)."""
+    import contextlib
+    import io
+
+    from cleanfid.fid import frechet_distance as _clean_fid_frechet
+
+    with contextlib.redirect_stdout(io.StringIO()):  # clean-fid prints when it regularises
+        return float(
+            _clean_fid_frechet(
+                np.atleast_1d(mu1), np.atleast_2d(sigma1), np.atleast_1d(mu2), np.atleast_2d(sigma2)
+            )
+        )
+
+
+def _fid_compute(
+    fake: np.ndarray,
+    ref_mu: np.ndarray,
+    ref_sigma: np.ndarray,
+    n_bootstrap: int = 0,
+    seed: int = 0,
+) -> MetricValue:
+    mu, sigma = gaussian_statistics(fake)
+    value = frechet_distance(mu, sigma, ref_mu, ref_sigma)
+    lo = hi = None
+    if n_bootstrap > 0:
+        rng = np.random.default_rng(seed)
+        stats = []
+        for _ in range(n_bootstrap):
+            idx = rng.integers(0, len(fake), size=len(fake))
+            m, s = gaussian_statistics(fake[idx])
+            stats.append(frechet_distance(m, s, ref_mu, ref_sigma))
+        lo, hi = (float(q) for q in np.quantile(stats, [0.025, 0.975]))
+    return MetricValue(value=value, ci_low=lo, ci_high=hi, n=len(fake))
+
+
+# ---------------------------------------------------------------------------------------------
+# reference statistics
+
+
+@dataclasses.dataclass
+class ReferenceStatistics:
+    """Gaussian statistics of a reference image set in one feature space.
+
+    Args:
+        mu / sigma: mean ``(D,)`` and covariance ``(D, D)``.
+        n: number of reference images.
+        name: reference set (``coco30k``, ``tinyworld``, ...).
+        extractor: feature extractor id (statistics of different extractors never mix).
+    """
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    n: int
+    name: str = ""
+    extractor: str = ""
+
+    @classmethod
+    def from_features(cls, features: np.ndarray, name: str = "", extractor: str = "") -> ReferenceStatistics:
+        mu, sigma = gaussian_statistics(features)
+        return cls(mu=mu, sigma=sigma, n=len(features), name=name, extractor=extractor)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write an ``.npz`` atomically (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, mu=self.mu, sigma=self.sigma, n=self.n, name=self.name, extractor=self.extractor)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ReferenceStatistics:
+        with np.load(path, allow_pickle=False) as z:
+            return cls(
+                mu=z["mu"],
+                sigma=z["sigma"],
+                n=int(z["n"]) if "n" in z else 0,
+                name=str(z["name"]) if "name" in z else "",
+                extractor=str(z["extractor"]) if "extractor" in z else "",
+            )
+
+
+def reference_statistics_path(name: str, extractor: str) -> Path:
+    """Cache location ``$EMMA_CACHE/fid_stats/<name>__<extractor>.npz``."""
+    from emma.weights import cache_root
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in extractor)
+    return cache_root() / "fid_stats" / f"{name}__{safe}.npz"
+
+
+def iter_image_folder(
+    folder: str | os.PathLike[str], limit: int | None = None, batch_size: int = 32, size: int | None = None
+) -> Iterable[torch.Tensor]:
+    """Batches ``(B, 3, H, W)`` in [0, 1] of the images in ``folder`` (sorted, recursive)."""
+    from PIL import Image
+
+    exts = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
+    paths = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in exts)[:limit]
+    batch: list[torch.Tensor] = []
+    for p in paths:
+        with Image.open(p) as im:
+            im = im.convert("RGB")
+            if size is not None:
+                im = im.resize((size, size), Image.BICUBIC)
+            batch.append(torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1).float() / 255.0)
+        # without a common size, images of different shapes cannot share a batch
+        if len(batch) == batch_size or size is None:
+            yield torch.stack(batch)
+            batch = []
+    if batch:
+        yield torch.stack(batch)
+
+
+def build_reference_statistics(
+    images: Iterable[torch.Tensor] | str | os.PathLike[str],
+    extractor: FeatureExtractor,
+    name: str = DEFAULT_REFERENCE,
+    extractor_id: str | None = None,
+    limit: int | None = None,
+    cache: bool = True,
+) -> ReferenceStatistics:
+    """Compute (and cache) reference statistics from image batches or an image folder.
+
+    For EMMA's default, point it at the COCO images of the COCO-30k captions (or the 40,504
+    val2014 images the paper uses): ``build_reference_statistics("/data/coco/val2014",
+    CleanFIDInception())``.
+    """
+    extractor_id = extractor_id or getattr(extractor, "id", type(extractor).__name__)
+    batches = iter_image_folder(images, limit=limit) if isinstance(images, (str, os.PathLike)) else images
+    feats = [np.asarray(extractor(b).detach().cpu().double()) for b in batches]
+    if not feats:
+        raise ConfigError(f"no reference images found for FID reference '{name}'")
+    stats = ReferenceStatistics.from_features(np.concatenate(feats), name=name, extractor=extractor_id)
+    if cache:
+        stats.save(reference_statistics_path(name, extractor_id))
+    return stats
+
+
+def reference_statistics(
+    name: str = DEFAULT_REFERENCE, extractor_id: str = "clean-fid-inception-v3"
+) -> ReferenceStatistics:
+    """Cached reference statistics, or a clear error saying how to build them."""
+    path = reference_statistics_path(name, extractor_id)
+    if not path.exists():
+        raise ConfigError(
+            f"FID reference statistics '{name}' for extractor '{extractor_id}' are not cached at {path}. "
+            'Build them once from the reference images, e.g. `python -c "from emma.metrics.fid import *; '
+            f"build_reference_statistics('/path/to/coco/val2014', CleanFIDInception(), name='{name}')\"` "
+            "(the images are not downloaded by the harness)."
+        )
+    return ReferenceStatistics.load(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# feature extractors
+
+
+class CleanFIDInception:
+    """clean-fid's Inception-v3 feature extractor ("clean" mode), 2048-d pool3 features.
+
+    Images are quantised to uint8 (as if saved), resized to 299x299 with clean-fid's PIL
+    bicubic resizer, and fed as [0, 255] floats to the TF-Inception TorchScript model. The
+    weights come from the registry (``python -m emma.weights fetch inception_fid``) and are
+    verified in the constructor.
+    """
+
+    id = "clean-fid-inception-v3"
+
+    def __init__(
+        self, weights: str | os.PathLike[str] = "inception_fid", device: str = "cpu", batch_size: int = 32
+    ) -> None:
+        from emma.weights import resolve_weights
+
+        self.resolved = resolve_weights(weights, default_entry="inception_fid")
+        self.device = torch.device(device)
+        self.batch_size = int(batch_size)
+        self._model = None
+        self._resizer = None
+
+    def _load(self) -> None:
+        from cleanfid.inception_torchscript import InceptionV3W
+        from cleanfid.resize import build_resizer
+
+        path = self.resolved.path()
+        if path.name != "inception-2015-12-05.pt":
+            raise ConfigError(f"clean-fid expects the file to be named inception-2015-12-05.pt, got {path}")
+        self._model = (
+            InceptionV3W(str(path.parent), download=False, resize_inside=False).to(self.device).eval()
+        )
+        self._resizer = build_resizer("clean")
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if self._model is None:
+            self._load()
+        arr = (
+            (images.detach().float().clamp(0, 1) * 255)
+            .round()
+            .to(torch.uint8)
+            .permute(0, 2, 3, 1)
+            .cpu()
+            .numpy()
+        )
+        out = []
+        for i in range(0, len(arr), self.batch_size):
+            resized = np.stack([self._resizer(a) for a in arr[i : i + self.batch_size]])
+            x = torch.from_numpy(resized).permute(0, 3, 1, 2).float().to(self.device)
+            out.append(self._model(x).float().cpu())
+        return torch.cat(out) if out else torch.zeros(0, 2048)
+
+
+# ---------------------------------------------------------------------------------------------
+# the metric
+
+
+class FrechetDistance(Metric):
+    """FID between generated and reference images in an injected feature space.
+
+    ``update(images)`` adds generated images, ``update(images, real=True)`` reference images
+    (or pass precomputed ``reference`` statistics). ``compute`` returns the distance with an
+    optional bootstrap interval over the generated images (``n_bootstrap`` resamples; each
+    costs one matrix square root, so it is off by default for 2048-d features).
+
+    Args:
+        feature_extractor: callable ``(N, 3, H, W) [0, 1] -> (N, D)``; default
+            :class:`CleanFIDInception` (built on first update).
+        reference: precomputed reference statistics (e.g. :func:`reference_statistics`).
+        n_bootstrap: bootstrap resamples for the confidence interval (0 = none).
+        seed: bootstrap seed.
+    """
+
+    name: ClassVar[str] = "fid"
+    higher_is_better: ClassVar[bool | None] = False
+
+    def __init__(
+        self,
+        feature_extractor: FeatureExtractor | None = None,
+        reference: ReferenceStatistics | None = None,
+        n_bootstrap: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self._extractor = feature_extractor
+        self.reference = reference
+        self.n_bootstrap = int(n_bootstrap)
+        self.seed = int(seed)
+        self.add_state("fake_features", [])
+        self.add_state("real_features", [])
+
+    @property
+    def feature_extractor(self) -> FeatureExtractor:
+        if self._extractor is None:
+            self._extractor = CleanFIDInception()
+        return self._extractor
+
+    def update(self, images: torch.Tensor, real: bool = False) -> None:
+        """Args:
+        images: float ``(N, 3, H, W)`` in [0, 1].
+        real: ``True`` for reference images, ``False`` for generated ones.
+        """
+        self.update_features(self.feature_extractor(images), real=real)
+
+    def update_features(self, features: torch.Tensor | np.ndarray, real: bool = False) -> None:
+        """Add precomputed features ``(N, D)``."""
+        arr = (
+            features.detach().cpu().double().numpy()
+            if isinstance(features, torch.Tensor)
+            else np.asarray(features, float)
+        )
+        (self.real_features if real else self.fake_features).append(arr.reshape(len(arr), -1))
+
+    def compute(self) -> MetricValue:
+        if not self.fake_features:
+            return MetricValue(value=float("nan"), n=0)
+        fake = np.concatenate(self.fake_features)
+        if self.real_features:
+            mu, sigma = gaussian_statistics(np.concatenate(self.real_features))
+        elif self.reference is not None:
+            mu, sigma = self.reference.mu, self.reference.sigma
+        else:
+            raise ConfigError(
+                "FrechetDistance has no reference: update(images, real=True) or pass reference="
+            )
+        return _fid_compute(fake, mu, sigma, self.n_bootstrap, self.seed)
+
+
+def tinyworld_fid(
+    images: torch.Tensor,
+    classifier: Any,
+    n_ref: int = 1000,
+    seed: int = 12345,
+    n_bootstrap: int = 0,
+) -> MetricValue:
+    """FID of tiny-world images against procedurally rendered scenes.
+
+    The feature space is the tiny-world classifier's penultimate layer
+    (``TinyWorldClassifier.features``, 64-d); the reference set is ``n_ref`` scenes drawn with
+    ``sample_specs(n_ref, seed)`` and rendered with ``render_batch``. Seeded, so the reference
+    is the same in every cell.
+
+    Args:
+        images: generated images, float ``(N, 3, H, W)`` in [0, 1], ``N >= 2``.
+        classifier: a ``TinyWorldClassifier`` (anything with ``features(images) -> (N, D)``).
+        n_ref: number of reference scenes.
+        seed: seed of the reference scenes.
+        n_bootstrap: bootstrap resamples of the generated images for a 95% interval.
+    """
+    from emma.tinyworld.world import render_batch, sample_specs
+
+    refs = torch.from_numpy(render_batch(sample_specs(n_ref, seed)))
+    metric = FrechetDistance(feature_extractor=classifier.features, n_bootstrap=n_bootstrap, seed=seed)
+    metric.update(refs, real=True)
+    metric.update(images)
+    return metric.compute()
+
+
+__all__: Sequence[str] = (
+    "CleanFIDInception",
+    "FrechetDistance",
+    "ReferenceStatistics",
+    "build_reference_statistics",
+    "frechet_distance",
+    "gaussian_statistics",
+    "reference_statistics",
+    "tinyworld_fid",
+)

@@ -1,0 +1,102 @@
+"""The typed, versioned schema of a cell's ``results.json``.
+
+Result files are the source of truth: leaderboards and W&B tables are derived from them.
+Bump :data:`SCHEMA_VERSION` whenever a field changes meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from emma.cache import atomic_write_text
+from emma.metrics.base import MetricValue
+
+SCHEMA_VERSION = 1
+SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|authorization)", re.I)
+REDACTED = "***"
+
+
+@dataclasses.dataclass
+class CellInfo:
+    model: str
+    method: str
+    domain: str
+    concept: str
+    attacker: str
+    classifier: str
+
+
+@dataclasses.dataclass
+class CellResult:
+    """One cell's results.
+
+    Attributes:
+        metrics: key (``ea/name``, ``ra/random``, ``asr``, ``fid``, ``time/...``) -> value
+            with 95% bootstrap CI and sample count.
+        cell: the cell's coordinates.
+        config: the resolved configuration, secrets redacted.
+        versions: package, components (with ``version``), data-file hashes, git hash.
+        timing: wall seconds per stage.
+        counts: ``images_generated``, ``images_cached``, ...
+        notes: caveats a reader must see (e.g. random weights: plumbing only).
+    """
+
+    metrics: dict[str, MetricValue]
+    cell: CellInfo
+    config: dict[str, Any]
+    versions: dict[str, Any]
+    timing: dict[str, float]
+    counts: dict[str, int]
+    notes: list[str] = dataclasses.field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "cell": dataclasses.asdict(self.cell),
+            "metrics": {k: v.to_json() for k, v in sorted(self.metrics.items())},
+            "config": redact(self.config),
+            "versions": self.versions,
+            "timing": self.timing,
+            "counts": self.counts,
+            "notes": self.notes,
+        }
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(Path(path), json.dumps(self.to_json(), indent=2, default=str) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "CellResult":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"results.json schema_version {version!r}; this harness reads {SCHEMA_VERSION}")
+        missing = {"cell", "metrics", "config", "versions", "timing", "counts"} - set(data)
+        if missing:
+            raise ValueError(f"results.json lacks {sorted(missing)}")
+        return cls(
+            metrics={k: MetricValue(**v) for k, v in data["metrics"].items()},
+            cell=CellInfo(**data["cell"]),
+            config=data["config"],
+            versions=data["versions"],
+            timing=data["timing"],
+            counts=data["counts"],
+            notes=list(data.get("notes", [])),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CellResult":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def redact(obj: Any) -> Any:
+    """Replace the values of secret-looking keys (api_key, token, ...) with ``***``."""
+    if isinstance(obj, dict):
+        return {k: (REDACTED if SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v))
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj

@@ -1,0 +1,73 @@
+"""``python -m emma.run``: run one cell (or a Hydra multirun sweep of cells).
+
+    python -m emma.run                                    # the tiny world, offline, on a CPU
+    python -m emma.run method=esd concept=circle
+    python -m emma.run -m method=none,esd,uce domain=tinyworld,tinyworld_style
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from emma.config import GROUPS, register_configs
+from emma.errors import EmmaError, UnknownChoiceError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+log = logging.getLogger("emma.run")
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Reject an unknown choice of a config group before Hydra composes anything, with the
+    valid choices and a "did you mean" (Hydra's own message is a long traceback-like text)."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key not in GROUPS or key == "experiment" and value in ("null", ""):
+            continue
+        valid = group_choices(key)
+        for choice in value.split(","):  # multirun: method=esd,uce
+            if choice and choice != "null" and choice not in valid:
+                raise UnknownChoiceError(key, choice, valid)
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> dict | None:
+    from emma.cell import describe, run_cell
+
+    out = HydraConfig.get().runtime.output_dir
+    try:
+        result = run_cell(cfg, out)
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(describe(result))
+    print(f"results: {Path(out) / 'results.json'}")
+    return {k: v.value for k, v in result.metrics.items()}
+
+
+def cli() -> None:
+    try:
+        check_overrides(sys.argv[1:])
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    main()
+
+
+if __name__ == "__main__":
+    cli()

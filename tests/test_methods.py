@@ -1,0 +1,313 @@
+"""Erasure methods on the tiny random pipeline: which weights change, the UCE closed form
+against an independent least-squares solve, determinism, save/load round trips, bad input.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
+from emma.methods._common import concept_positions
+from emma.methods.ca import ConceptAblationMethod
+from emma.methods.checkpoint import CheckpointMethod
+from emma.methods.esd import ESDMethod
+from emma.methods.fmn import ForgetMeNotMethod
+from emma.methods.mace import MACEMethod, matching_token_indices
+from emma.methods.uce import UCEMethod, uce_closed_form
+from emma.pipelines import fingerprint, tiny_random_pipeline
+
+DOMAIN = "tinyworld"
+
+
+@pytest.fixture(scope="module")
+def base():
+    pipe = tiny_random_pipeline(seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def pipe(base):
+    return copy.deepcopy(base)
+
+
+def small(name: str, **kw):
+    """Each method at a few steps (seconds on a CPU)."""
+    common = dict(progress=False)
+    table = {
+        "esd-x": lambda: ESDMethod(iterations=3, ddim_steps=4, **common, **kw),
+        "esd-u": lambda: ESDMethod(train_method="esd-u", iterations=2, ddim_steps=4, **common, **kw),
+        "uce": lambda: UCEMethod(guide_concepts="shape", **kw),
+        "mace": lambda: MACEMethod(mapping_concepts="shape", num_images=2, aug_length=3, max_train_steps=3,
+                                   sample_steps=2, learning_rate=1e-2, segmenter="attention", **common, **kw),
+        "ca": lambda: ConceptAblationMethod(anchor_concepts="shape", num_class_images=2, max_train_steps=2,
+                                            train_batch_size=2, sample_steps=2, **common, **kw),
+        "ca-model": lambda: ConceptAblationMethod(loss="model", anchor_concepts="shape", num_class_images=2,
+                                                  max_train_steps=2, train_batch_size=2, sample_steps=2,
+                                                  learning_rate=1e-3, **common, **kw),
+        "fmn": lambda: ForgetMeNotMethod(num_images=2, max_train_steps=3, sample_steps=2, learning_rate=1e-3,
+                                         **common, **kw),
+    }
+    return table[name]()
+
+
+def changed(a, b, component: str = "unet") -> set[str]:
+    sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
+    return {k for k in sa if not torch.equal(sa[k], sb[k])}
+
+
+def attn2_names(pipe, kinds=("to_q", "to_k", "to_v", "to_out")) -> set[str]:
+    return {k for k in pipe.unet.state_dict() if ".attn2." in k and any(f".attn2.{x}" in k for x in kinds)}
+
+
+def kv_weights(pipe) -> set[str]:
+    return {k for k in pipe.unet.state_dict() if k.endswith((".attn2.to_k.weight", ".attn2.to_v.weight"))}
+
+
+def images(pipe, prompt: str = "a circle", seeds=(0, 1)) -> torch.Tensor:
+    gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+    return pipe([prompt] * len(seeds), generator=gens, num_inference_steps=3, guidance_scale=5.0,
+                output_type="pt").images
+
+
+# --------------------------------------------------------------------------- changed parameters
+def test_esd_x_changes_only_cross_attention(base, pipe):
+    small("esd-x").erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    ch = changed(base, pipe)
+    assert ch and ch <= attn2_names(base)
+    # every projection kind of cross-attention is trained
+    assert {k.split(".attn2.")[1].split(".")[0] for k in ch} == {"to_q", "to_k", "to_v", "to_out"}
+    assert not changed(base, pipe, "text_encoder") and not changed(base, pipe, "vae")
+
+
+def test_esd_u_changes_no_cross_attention(base, pipe):
+    small("esd-u").erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    ch = changed(base, pipe)
+    assert len(ch) > 50
+    assert not any(".attn2." in k for k in ch)
+    assert not any(k.startswith(("time_embedding.", "conv_out.", "conv_norm_out.")) for k in ch)
+    assert any(".attn1." in k for k in ch) and any(".resnets." in k for k in ch)
+
+
+def test_uce_changes_exactly_cross_attention_keys_and_values(base, pipe):
+    small("uce").erase(pipe, ["circle"], domain=DOMAIN)
+    assert changed(base, pipe) == kv_weights(base)
+    only_v = copy.deepcopy(base)
+    UCEMethod(guide_concepts="shape", with_to_k=False).erase(only_v, ["circle"], domain=DOMAIN)
+    assert changed(base, only_v) == {k for k in kv_weights(base) if ".to_v." in k}
+
+
+def test_mace_changes_exactly_its_lora_fused_layers(base, pipe):
+    small("mace").erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    assert changed(base, pipe) == kv_weights(base)
+    assert not changed(base, pipe, "text_encoder")
+
+
+@pytest.mark.parametrize("name", ["ca", "ca-model"])
+def test_ca_cross_attn_group_changes_only_keys_and_values(base, pipe, name):
+    small(name).erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    ch = changed(base, pipe)
+    assert ch and ch <= kv_weights(base)
+
+
+def test_fmn_changes_only_cross_attention(base, pipe):
+    small("fmn").erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    ch = changed(base, pipe)
+    assert ch and ch <= attn2_names(base)
+    assert any(".to_k." in k for k in ch)
+
+
+def test_zero_iterations_change_nothing(base, pipe):
+    ESDMethod(iterations=0, progress=False).erase(pipe, ["circle"], domain=DOMAIN)
+    assert fingerprint(pipe) == fingerprint(base)
+
+
+# --------------------------------------------------------------------------- UCE closed form
+def test_uce_closed_form_equals_least_squares_on_random_data():
+    rng = np.random.default_rng(0)
+    d_out, d_in = 6, 9
+    w0 = rng.normal(size=(d_out, d_in))
+    ck, cv = rng.normal(size=(4, d_in)), rng.normal(size=(4, d_out))
+    pk = rng.normal(size=(5, d_in))
+    lamb, se, sp = 0.5, 1.3, 0.2
+    got = uce_closed_form(torch.tensor(w0), torch.tensor(ck), torch.tensor(cv), torch.tensor(pk),
+                          torch.tensor(pk @ w0.T), lamb=lamb, erase_scale=se, preserve_scale=sp).numpy()
+    # min_W se|W ck - cv|^2 + sp|W pk - W0 pk|^2 + lamb|W - W0|^2, as one stacked least squares
+    a = np.vstack([np.sqrt(se) * ck, np.sqrt(sp) * pk, np.sqrt(lamb) * np.eye(d_in)])
+    b = np.vstack([np.sqrt(se) * cv, np.sqrt(sp) * pk @ w0.T, np.sqrt(lamb) * w0.T])
+    ref = np.linalg.lstsq(a, b, rcond=None)[0].T
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_uce_edit_equals_independent_solve_on_the_pipeline(base, pipe):
+    lamb = 0.5
+    UCEMethod(guide_concepts="shape", preserve_concepts=["square"], lamb=lamb).erase(
+        pipe, ["circle"], domain=DOMAIN)
+    tok, enc = base.tokenizer, base.text_encoder
+
+    def emb(text):
+        ids = tok(text, padding="max_length", max_length=77, return_tensors="pt").input_ids
+        with torch.no_grad():
+            return enc(ids)[0][0].double().numpy()
+
+    # "circle" and "shape" are one token each: the erase span is token 1 (the word) to 76.
+    assert len(tok("circle", add_special_tokens=False).input_ids) == 1
+    assert len(tok("shape", add_special_tokens=False).input_ids) == 1
+    c_e, c_g = emb("circle")[1:], emb("shape")[1:]
+    c_p = np.vstack([emb(""), emb("square")])
+    s_p = max(0.1, 1 / 2)  # the reference default 1/len(retain), retain = ["", "square"]
+    names = sorted(kv_weights(base))
+    for name in names:
+        w0 = base.unet.state_dict()[name].double().numpy()
+        a = np.vstack([c_e, np.sqrt(s_p) * c_p, np.sqrt(lamb) * np.eye(w0.shape[1])])
+        b = np.vstack([c_g @ w0.T, np.sqrt(s_p) * c_p @ w0.T, np.sqrt(lamb) * w0.T])
+        ref = np.linalg.lstsq(a, b, rcond=None)[0].T
+        got = pipe.unet.state_dict()[name].double().numpy()
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+    assert len(names) == 8  # to_k and to_v of the 4 cross-attention modules
+
+
+def test_uce_erases_the_concept_key_towards_the_guide(base, pipe):
+    UCEMethod(guide_concepts="shape").erase(pipe, ["circle"], domain=DOMAIN)
+    tok, enc = base.tokenizer, base.text_encoder
+    ids = tok(["circle", "shape"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    with torch.no_grad():
+        e = enc(ids)[0][:, 1]
+    name = sorted(kv_weights(base))[0].rsplit(".weight", 1)[0]
+    new = pipe.unet.get_submodule(name)
+    old = base.unet.get_submodule(name)
+    with torch.no_grad():
+        before = (old(e[0]) - old(e[1])).norm()
+        after = (new(e[0]) - old(e[1])).norm()
+    assert after < 0.2 * before
+
+
+# --------------------------------------------------------------------------- determinism, dtypes
+def test_same_seed_same_weights_other_seed_other_weights(base):
+    a, b, c = (copy.deepcopy(base) for _ in range(3))
+    small("esd-x").erase(a, ["circle"], seed=3, domain=DOMAIN)
+    small("esd-x").erase(b, ["circle"], seed=3, domain=DOMAIN)
+    small("esd-x").erase(c, ["circle"], seed=4, domain=DOMAIN)
+    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
+
+
+def test_torch_global_rng_is_not_used(base):
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    torch.manual_seed(1)
+    small("fmn").erase(a, ["circle"], seed=0, domain=DOMAIN)
+    torch.manual_seed(2)
+    small("fmn").erase(b, ["circle"], seed=0, domain=DOMAIN)
+    assert fingerprint(a) == fingerprint(b)
+
+
+@pytest.mark.parametrize("name", ["uce", "esd-x"])
+def test_bf16_pipeline_stays_bf16_and_untouched_weights_survive(base, name):
+    pipe = copy.deepcopy(base).to(torch.bfloat16)
+    ref = copy.deepcopy(pipe)
+    small(name).erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    assert pipe.unet.dtype == torch.bfloat16
+    ch = changed(ref, pipe)
+    assert ch and ch <= attn2_names(base)
+    assert all(torch.isfinite(v.float()).all() for v in pipe.unet.state_dict().values())
+
+
+# --------------------------------------------------------------------------- save / load
+@pytest.mark.parametrize("name", ["uce", "esd-x"])
+def test_erase_save_load_gives_bit_identical_images(base, pipe, tmp_path, name):
+    from diffusers import UNet2DConditionModel
+
+    small(name).erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    pipe.unet.save_pretrained(tmp_path / "unet", safe_serialization=True)
+    loaded = copy.deepcopy(base)
+    loaded.unet = UNet2DConditionModel.from_pretrained(tmp_path / "unet", torch_dtype=base.unet.dtype)
+    assert fingerprint(loaded) == fingerprint(pipe) != fingerprint(base)
+    assert torch.equal(images(loaded), images(pipe))
+    # method=checkpoint on the saved folder: the same weights, the same images
+    third = copy.deepcopy(base)
+    CheckpointMethod(str(tmp_path / "unet")).erase(third, ["circle"])
+    assert fingerprint(third) == fingerprint(pipe)
+    assert torch.equal(images(third), images(pipe))
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("name", ["esd-x", "uce", "mace", "ca", "fmn"])
+@pytest.mark.parametrize("concepts, message", [
+    ([], "empty"),
+    ("circle", "list of strings"),
+    (["   "], "tokenizes to nothing"),
+    (["<|endoftext|>"], "unknown/special"),
+    (["circle " * 80], "tokens long"),
+    (["circle", "circle"], "twice"),
+])
+def test_bad_concepts_raise_clear_errors_and_leave_the_pipe_untouched(base, pipe, name, concepts, message):
+    with pytest.raises(ConfigError, match=message):
+        small(name).erase(pipe, concepts, domain=DOMAIN)
+    assert fingerprint(pipe) == fingerprint(base)
+
+
+def test_unknown_domain_names_the_valid_ones(pipe):
+    with pytest.raises(UnknownChoiceError, match="tinyworld"):
+        UCEMethod(guide_concepts={"tinyworld": "shape"}).erase(pipe, ["circle"], domain="style")
+
+
+def test_unknown_choices_fail_at_construction():
+    with pytest.raises(UnknownChoiceError, match="esd-x"):
+        ESDMethod(train_method="esd-z")
+    with pytest.raises(UnknownChoiceError, match="noise"):
+        ConceptAblationMethod(loss="kl")
+    with pytest.raises(UnknownChoiceError, match="attention"):
+        MACEMethod(segmenter="sam2")
+
+
+# --------------------------------------------------------------------------- MACE pieces
+def test_mace_token_alignment_skips_the_concept_tokens(base):
+    tok = base.tokenizer
+    oi, ni = matching_token_indices(tok, "a photo of the circle", "a photo of the big blue sky")
+    assert len(oi) == len(ni)
+    n_old = len(tok("a photo of the circle", add_special_tokens=False).input_ids)
+    assert oi[:5] == ni[:5] == [0, 1, 2, 3, 4]  # start token + "a photo of the"
+    assert n_old not in oi  # the concept token itself is not a context
+    assert oi[5] == n_old + 1 and ni[5] == n_old + 3  # end tokens aligned
+    assert ni[-1] == 76 and oi[-1] == 76 - 2  # the longer prompt keeps its whole tail
+
+
+def test_concept_positions_cover_the_concept_and_the_padding(base):
+    tok = base.tokenizer
+    pos = concept_positions(tok, "an image of a circle", "circle", use_pooler=True)
+    n = len(tok("an image of a circle", add_special_tokens=False).input_ids)
+    assert pos[n] and not pos[:n].any() and pos[n + 1 :].all()
+    assert concept_positions(tok, "an image of a circle", "circle", use_pooler=False).sum() == 1
+
+
+def test_mace_auto_segmenter_falls_back_to_attention_offline():
+    assert MACEMethod(segmenter="auto").config()["segmenter"] == "attention"
+
+
+def test_mace_grounded_sam_without_weights_is_a_clear_error(base, pipe):
+    m = MACEMethod(mapping_concepts="shape", num_images=1, aug_length=2, max_train_steps=1, sample_steps=1,
+                   segmenter="grounded_sam", progress=False)
+    with pytest.raises(WeightsUnavailableError, match="segmenter=attention"):
+        m.erase(pipe, ["circle"], domain=DOMAIN)
+    assert fingerprint(pipe) == fingerprint(base)
+
+
+def test_mace_uses_an_injected_segmenter(base, pipe):
+    calls = []
+
+    def segmenter(imgs, labels):
+        calls.append(list(labels))
+        return torch.ones(len(imgs), *imgs.shape[-2:], dtype=torch.bool)
+
+    m = MACEMethod(mapping_concepts="shape", num_images=2, aug_length=2, max_train_steps=1, sample_steps=1,
+                   segmenter=segmenter, progress=False)
+    m.erase(pipe, ["circle"], domain=DOMAIN)
+    assert calls == [["circle", "circle"]]
+    assert m.config()["segmenter"].startswith("callable:")
+    assert changed(base, pipe) == kv_weights(base)

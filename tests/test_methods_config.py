@@ -1,0 +1,129 @@
+"""Every conf/method/*.yaml composes, instantiates offline, carries the papers' defaults and
+EMMA's per-domain guide concepts, and erases on the tiny random pipeline (few steps)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from emma.methods._common import for_concept, for_domain
+from emma.pipelines import fingerprint, tiny_random_pipeline
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
+DOMAINS = sorted(p.stem for p in (CONF / "domain").glob("*.yaml")) or [
+    "object", "celebrity", "style", "nsfw", "copyright", "ip", "tinyworld", "tinyworld_style"]
+# Few steps, so that each file erases in about a second on a CPU.
+SMALL = {
+    "esd": ["method.iterations=2", "method.ddim_steps=3"],
+    "mace": ["method.num_images=1", "method.aug_length=2", "method.max_train_steps=1",
+             "method.sample_steps=1", "method.segmenter=attention"],
+    "ca": ["method.num_class_images=2", "method.train_batch_size=2", "method.max_train_steps=1",
+           "method.sample_steps=1"],
+    "fmn": ["method.num_images=1", "method.max_train_steps=1", "method.sample_steps=1"],
+}
+
+
+def method_cfg(name: str, overrides: list[str] = ()):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(overrides=[f"+method={name}", *overrides]).method
+
+
+def small_overrides(name: str) -> list[str]:
+    family = name.split("_")[0]
+    return SMALL.get(family, [])
+
+
+@pytest.fixture(scope="module")
+def base():
+    pipe = tiny_random_pipeline(seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_the_issue_s_methods_all_have_a_file():
+    for name in ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn",
+                 "checkpoint"):
+        assert name in METHODS
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if m != "checkpoint"])
+def test_every_method_file_erases_on_the_tiny_random_pipeline(base, name):
+    method = instantiate(method_cfg(name, small_overrides(name)))
+    if hasattr(method, "progress"):
+        method.progress = False
+    pipe = copy.deepcopy(base)
+    out = method.erase(pipe, ["circle"], seed=0, domain="tinyworld")
+    assert out is pipe
+    if name == "none":
+        assert fingerprint(pipe) == fingerprint(base) and method.edited_components == ()
+    else:
+        assert method.edited_components == ("unet",)
+        assert fingerprint(pipe, ("unet",)) != fingerprint(base, ("unet",))
+        assert fingerprint(pipe, ("text_encoder", "vae")) == fingerprint(base, ("text_encoder", "vae"))
+        cfg = method.config()
+        assert cfg["name"] == method.name and cfg["version"] == method.version
+
+
+def test_checkpoint_file_loads_a_saved_unet(base, tmp_path):
+    erased = copy.deepcopy(base)
+    instantiate(method_cfg("uce")).erase(erased, ["circle"], domain="tinyworld")
+    erased.unet.save_pretrained(tmp_path / "unet")
+    method = instantiate(method_cfg("checkpoint", [f"method.path={tmp_path / 'unet'}"]))
+    pipe = copy.deepcopy(base)
+    method.erase(pipe, ["circle"])
+    assert fingerprint(pipe) == fingerprint(erased)
+
+
+@pytest.mark.parametrize("name, key", [
+    ("esd", "neutral_concepts"), ("uce", "guide_concepts"), ("uce", "preserve_concepts"),
+    ("mace", "mapping_concepts"), ("mace", "data_prompts"), ("ca", "anchor_concepts"),
+    ("ca", "prompt_templates"), ("fmn", "prompt_templates"),
+])
+def test_per_domain_mappings_cover_every_domain(name, key):
+    table = method_cfg(name)[key]
+    for domain in DOMAINS:
+        for_domain(table, domain, what=key)  # raises for a domain without an entry
+
+
+def test_paper_defaults():
+    esd = method_cfg("esd")
+    assert (esd.train_method, esd.iterations, esd.learning_rate, esd.negative_guidance, esd.start_guidance,
+            esd.ddim_steps) == ("esd-x", 1000, 1e-5, 1.0, 3.0, 50)
+    assert method_cfg("esd_u").train_method == "esd-u"
+    assert [method_cfg(f"esd_{n}").iterations for n in (100, 200, 500)] == [100, 200, 500]
+    uce = method_cfg("uce")
+    assert (uce.lamb, uce.erase_scale, uce.preserve_scale, uce.with_to_k, uce.technique) == (
+        0.5, 1.0, None, True, "replace")
+    mace = method_cfg("mace")
+    assert (mace.lamb, mace.rank, mace.learning_rate, mace.max_train_steps, mace.num_images, mace.aug_length,
+            mace.importance_sampling, mace.use_pooler) == (1000.0, 1, 1e-5, 50, 8, 30, True, True)
+    ca = method_cfg("ca")
+    assert (ca.loss, ca.parameter_group, ca.max_train_steps) == ("noise", "cross-attn", 100)
+    assert ca.learning_rate * ca.train_batch_size == pytest.approx(1.6e-5)
+    assert method_cfg("ca_model").loss == "model"
+    fmn = method_cfg("fmn")
+    assert (fmn.learning_rate, fmn.max_train_steps, fmn.only_optimize_ca, fmn.use_pooler) == (
+        2e-6, 35, True, True)
+
+
+def test_emma_guide_concepts_per_domain():
+    uce = method_cfg("uce").guide_concepts
+    g = {d: for_domain(uce, d, what="") for d in DOMAINS}
+    assert for_concept(g["object"], "cat", what="") == "animal"
+    assert for_concept(g["object"], "bicycle", what="") == "vehicle"
+    assert (g["celebrity"], g["style"], g["nsfw"], g["copyright"], g["tinyworld"]) == (
+        "a celebrity", "art", "", "logo", "shape")
+    mace = method_cfg("mace").mapping_concepts
+    assert [for_domain(mace, d, what="") for d in ("object", "celebrity", "style", "nsfw", "copyright")] == [
+        "sky", "person", "style", "a person in a neutral and safe situation", "logo"]
+    esd = method_cfg("esd").neutral_concepts
+    assert {for_domain(esd, d, what="") for d in DOMAINS} == {""}
+    assert for_domain(method_cfg("ca").anchor_concepts, "tinyworld", what="") == "shape"
