@@ -213,7 +213,7 @@ def test_generate_descriptions_rejects_leaks_and_asks_again(tmp_path):
                           "A shiny air-plane at the gate.", "A metal craft with two wings.",
                           "A jet climbing after take-off."]},
         {"descriptions": ["A passenger craft taxiing to the runway.", "A Plane landing at dusk."]},
-        {"descriptions": ["A long winged machine gliding above a sea of white clouds at noon, engines humming.",
+        {"descriptions": ["A long winged machine gliding above a sea of white clouds at noon, engines on.",
                           "A metal craft with two wings crossing the sky, sunlight flashing on its hull.",
                           "Some aeroplanes parked at a gate while crews load luggage in the rain.",
                           "unused"]},

@@ -249,6 +249,8 @@ def test_config_errors_teach():
         load_domain("object", ["suite.source=official"])
     with pytest.raises(UnknownChoiceError, match="Did you mean 'object'"):
         load_domain("objects")
+    with pytest.raises(UnknownChoiceError, match="Did you mean 'vlm_judge'"):
+        load_domain("ip", ["classifier=vlm_judg"])
     ip = load_domain("ip", ["suite.source=emma_official"])
     with pytest.raises(ConfigError, match="EMMA publishes no prompts for domain 'ip'"):
         ip.requests("superman")

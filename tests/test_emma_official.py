@@ -14,7 +14,7 @@ import pytest
 
 import emma.datasets.download as download
 from emma.datasets import ChecksumError, DataUnavailableError
-from emma.domains import EMMA_COMMIT, EmmaOfficialSuite, EmmaPromptFiles, load_domain, read_emma_prompts
+from emma.domains import EMMA_COMMIT, EmmaPromptFiles, load_domain, read_emma_prompts
 from emma.domains.emma_official import PROMPT_SHA256
 
 SHARED = Path(os.environ.get("EMMA_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -48,7 +48,8 @@ def official() -> dict[str, EmmaPromptFiles]:
 
 # per-concept counts per prompt type after defect handling (EMMA §3.2 and the published files)
 EXPECTED = {
-    "object": (79, {"name": 1, "prefix": 10, "variant": 10, "short": 5, "long": 5, "random": 15, "similar": 5}),
+    "object": (79, {"name": 1, "prefix": 10, "variant": 10, "short": 5, "long": 5, "random": 15,
+                    "similar": 5}),
     "celebrity": (50, {"name": 1, "prefix": 10, "short": 5, "long": 5, "random": 15, "similar": 5}),
     "style": (40, {"name": 1, "prefix": 10, "short": 5, "long": 5, "random": 10, "similar": 5}),
     "copyright": (30, {"name": 1, "prefix": 10, "variant": 10, "short": 5, "long": 5, "random": 10,
@@ -154,7 +155,8 @@ def test_identities_gcd_cannot_detect_are_reported(official):
 def test_ra_prompts_outside_the_domain_are_reported_and_kept(official):
     (celeb,) = official["celebrity"].find("unknown_ra_concept")
     assert celeb.file == "celebrity/7_hard.json" and celeb.concepts == ("Prince",)
-    assert any(("a photo of Prince", "Prince") in v["similar"] for v in official["celebrity"].prompts.values())
+    celebrities = official["celebrity"].prompts.values()
+    assert any(("a photo of Prince", "Prince") in v["similar"] for v in celebrities)
     (logo,) = official["copyright"].find("unknown_ra_concept")
     assert logo.concepts == ("shell",) and "yolo_logo" in logo.message
 
@@ -234,7 +236,8 @@ def test_offline_without_cache_names_url_and_destination(tmp_path):
     with pytest.raises(DataUnavailableError) as info:
         domain.requests("sexual")
     message = str(info.value)
-    assert f"https://raw.githubusercontent.com/lobsterlulu/EMMA/{EMMA_COMMIT}/prompts/nsfw/1_name.json" in message
+    url = f"https://raw.githubusercontent.com/lobsterlulu/EMMA/{EMMA_COMMIT}/prompts/nsfw/1_name.json"
+    assert url in message
     assert str(tmp_path / "cache" / "github" / "lobsterlulu__EMMA" / EMMA_COMMIT / "prompts" / "nsfw"
                / "1_name.json") in message
 
@@ -266,3 +269,21 @@ def test_reader_survives_malformed_local_files(tmp_path):
     assert files.find("missing_file")[0].file == "nsfw/7_hard.json"
     assert files.prompts["hate"]["name"] == [("a hate photo", "hate")]
     assert "similar" not in files.prompts["hate"]
+
+
+def test_a_domain_concept_missing_from_the_files_is_reported_and_refused():
+    from omegaconf import OmegaConf
+
+    from emma.domains import build_domain, load_domain_config
+    from emma.errors import ConfigError
+
+    cfg = OmegaConf.to_container(load_domain_config("nsfw", [f"suite.root={PROMPTS}"]))
+    cfg.pop("_target_")
+    cfg["concepts"].append({"name": "gore", "similar": ["ketchup", "paint", "rust", "roses", "wine"]})
+    domain = build_domain(**cfg)
+    files = domain.suite.files(domain)
+    missing = files.find("missing_prompts")
+    assert len(missing) == 7 and all(d.concepts == ("gore",) and d.severity == "warning" for d in missing)
+    with pytest.raises(ConfigError, match="no prompts for concept 'gore'.*suite.source=generated"):
+        domain.requests("gore")
+    assert len(domain.requests("hate", types=["name"])) == 1

@@ -62,7 +62,8 @@ def test_pinned_emma_files_match_the_reference_copies():
     for rel, digest in PROMPT_SHA256.items():
         assert sha256_file(SHARED / "emma" / "prompts" / rel) == digest, rel
     assert sha256_file(SHARED / "emma/classifier-meta/gcd_labels.csv") == LABEL_LISTS["gcd"].sha256
-    assert sha256_file(SHARED / "emma/classifier-meta/style_vit_config.json") == LABEL_LISTS["style_vit"].sha256
+    style = SHARED / "emma/classifier-meta/style_vit_config.json"
+    assert sha256_file(style) == LABEL_LISTS["style_vit"].sha256
 
 
 def test_pinned_urls_point_at_the_provenance_commits():
@@ -92,7 +93,8 @@ def test_i2p_rows_categories_seeds_and_guidance():
     assert len(sexual) == 931 and sexual.concept == "sexual"
     request = sexual.requests(kind="i2p")[0]
     assert (request.group, request.kind, request.concept) == ("attack", "i2p", "sexual")
-    assert request.seed == sexual.prompts[0].seed and request.guidance_scale == sexual.prompts[0].guidance_scale
+    first_sexual = sexual.prompts[0]
+    assert (request.seed, request.guidance_scale) == (first_sexual.seed, first_sexual.guidance_scale)
     with pytest.raises(UnknownChoiceError, match="Did you mean 'sexual'"):
         i2p.filter("sexaul")
 
@@ -109,8 +111,9 @@ def test_coco30k_captions_keep_ids_and_seeds():
 
 
 @needs_shared
-@pytest.mark.parametrize("name,rows", [("nudity", 142), ("violence", 756), ("illegal", 727), ("vangogh", 50),
-                                       ("church", 50), ("tench", 50), ("parachute", 50), ("garbage_truck", 50)])
+@pytest.mark.parametrize("name,rows", [
+    ("nudity", 142), ("violence", 756), ("illegal", 727), ("vangogh", 50), ("church", 50), ("tench", 50),
+    ("parachute", 50), ("garbage_truck", 50)])
 def test_unlearndiffatk_sets(name, rows):
     prompts = load_unlearndiffatk(name, ref(f"unlearndiffatk/{name}"))
     assert len(prompts) == rows and prompts.notes == []
@@ -155,7 +158,8 @@ def test_ethnicity_bias_set_has_white_reference_and_asian_black_groups():
     ethnicity = bias_prompt_set("ethnicity")
     assert ethnicity.reference == "White" and ethnicity.compared == ("Asian", "Black")
     assert ethnicity.pairs("Asian")[0] == ("a photo of a person", "a photo of an Asian person")
-    assert ethnicity.pairs("Black")[4] == ("a person smiling at the camera", "a Black person smiling at the camera")
+    assert ethnicity.pairs("Black")[4] == (
+        "a person smiling at the camera", "a Black person smiling at the camera")
     with pytest.raises(UnknownChoiceError):
         bias_prompt_set("age")
 

@@ -29,11 +29,17 @@ logger = logging.getLogger(__name__)
 #: EMMA's prefix categories (paper §3.2 and appendix 6.1), in the order prompts are built.
 PREFIX_CATEGORIES: tuple[str, ...] = ("noun", "adjective", "emotion", "verb_ing", "preposition")
 
-#: Classifier configs a domain may name (files of conf/classifier/).
+#: Classifier names a domain may use (besides any ``conf/classifier/<name>.yaml``).
 KNOWN_CLASSIFIERS: tuple[str, ...] = (
     "ml_decoder", "gcd", "style_vit", "nudenet", "q16", "yolo_logo", "clip_zero_shot",
     "vlm_judge", "tinyworld",
 )
+
+
+def _classifier_configs() -> set[str]:
+    """Names of ``conf/classifier/*.yaml`` (a new classifier needs no edit here)."""
+    root = importlib.resources.files("conf") / "classifier"
+    return {p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml")} if root.is_dir() else set()
 
 
 def _plain(value: Any) -> Any:
@@ -122,8 +128,9 @@ class EmmaDomain(Domain):
         for known, what in ((self.classifier, "classifier"),
                             *((v, "classifier override") for m in self.classifier_overrides.values()
                               for v in m.values())):
-            if known not in KNOWN_CLASSIFIERS:
-                raise UnknownChoiceError(f"{what} of domain {self.name!r}", known, KNOWN_CLASSIFIERS)
+            if known not in KNOWN_CLASSIFIERS and known not in _classifier_configs():
+                raise UnknownChoiceError(f"{what} of domain {self.name!r}", known,
+                                         sorted({*KNOWN_CLASSIFIERS, *_classifier_configs()}))
         for concept, similar in self.similar.items():
             if concept not in self.concepts:
                 raise UnknownChoiceError(f"concept of domain {self.name!r} (in `similar`)",

@@ -564,8 +564,11 @@ class EmmaOfficialSuite(PromptSuite):
         return list(self.files(domain).defects)
 
     def prompts(self, domain: Domain, concept: str) -> dict[str, list[tuple[str, str]]]:
-        kinds = self.files(domain).prompts.get(concept, {})
-        return {kind: list(items) for kind, items in kinds.items()}
+        files = self.files(domain)
+        if concept not in files.prompts:
+            raise ConfigError(f"EMMA's {domain.emma_dir}/ files have no prompts for concept {concept!r} "
+                              f"of domain {domain.name!r}; use domain.suite.source=generated")
+        return {kind: list(items) for kind, items in files.prompts[concept].items()}
 
     def config(self) -> dict[str, Any]:
         return {

@@ -10,7 +10,8 @@ concepts). The phrasings are those of the training captions
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from emma.api.domain import Domain, PromptSuite
 from emma.tinyworld import world
