@@ -140,7 +140,7 @@ class NormalizedLabelsMixin:
             return lowered.index(label.lower())
         key = normalize_label(label)
         index = getattr(self, "_normalized_index", None)
-        if index is None or len(index) == 0:
+        if not index:  # built lazily; subclasses reset it to None when their labels change
             index = {}
             for i, lab in enumerate(labels):
                 index.setdefault(normalize_label(lab), i)

@@ -391,7 +391,8 @@ def file_status(
             if wf.size is not None and size != wf.size:
                 st.problem = f"size {size} bytes, expected {wf.size} (partial or wrong file)"
             elif check_hash:
-                st.sha256 = sha256sum(path)
+                # memoise hashes only inside the cache (never write into site-packages)
+                st.sha256 = sha256sum(path, memoise=path.is_relative_to(folder))
                 if wf.sha256 is not None and st.sha256 != wf.sha256:
                     st.problem = f"sha256 {st.sha256}, expected {wf.sha256} (corrupt or wrong file)"
         out.append(st)
@@ -447,8 +448,9 @@ def resolve_weights(spec: str | os.PathLike[str], default_entry: str | None = No
     """Resolve a classifier's ``weights`` argument: a registry name or a local path.
 
     A registry name is looked up in the cache and verified; a path (file or folder) is used
-    as given and hashed. Anything else raises a :class:`WeightsUnavailableError` that points
-    at the default entry's download instructions.
+    as given and hashed (without writing hash memos into the user's folder). Anything else
+    raises a :class:`WeightsUnavailableError` that points at the default entry's download
+    instructions.
     """
     spec_s = os.fspath(spec)
     if spec_s in REGISTRY:
@@ -456,7 +458,10 @@ def resolve_weights(spec: str | os.PathLike[str], default_entry: str | None = No
     path = Path(spec_s).expanduser()
     if path.is_file():
         return ResolvedWeights(
-            name="local", paths={path.name: path.resolve()}, sha256={path.name: sha256sum(path)}, pinned=False
+            name="local",
+            paths={path.name: path.resolve()},
+            sha256={path.name: sha256sum(path, memoise=False)},
+            pinned=False,
         )
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -464,7 +469,7 @@ def resolve_weights(spec: str | os.PathLike[str], default_entry: str | None = No
             return ResolvedWeights(
                 name="local",
                 paths={str(p.relative_to(path)): p.resolve() for p in files},
-                sha256={str(p.relative_to(path)): sha256sum(p) for p in files},
+                sha256={str(p.relative_to(path)): sha256sum(p, memoise=False) for p in files},
                 pinned=False,
             )
     hint = ""

@@ -316,6 +316,7 @@ def test_gcd_crops_faces_with_giphys_margin():
     (crop,) = clf.face_crops(img)
     # margin 0.2: x by int(40 * 0.2) = 8 -> [6, 54), y by int(50 * 0.2) = 10 -> [15, 75)
     assert np.array_equal(crop, img[15:75, 6:54])
+    seen.clear()
     torch.manual_seed(0)
     out = clf.predict(torch.rand(2, 3, 100, 120))
     assert seen == [(100, 120, 3)] * 2

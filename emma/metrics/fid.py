@@ -49,12 +49,32 @@ def gaussian_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return feats.mean(axis=0), np.cov(feats, rowvar=False)
 
 
+def _frechet_distance_scipy(
+    mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray, eps: float = 1e-6
+) -> float:
+    from scipy import linalg
+
+    diff = mu1 - mu2
+    covmean, _ = linalg.sqrtm(sigma1.dot(sigma2), disp=False)
+    if not np.isfinite(covmean).all():
+        offset = np.eye(sigma1.shape[0]) * eps
+        covmean = linalg.sqrtm((sigma1 + offset).dot(sigma2 + offset))
+    if np.iscomplexobj(covmean):
+        if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
+            raise ValueError(f"Fréchet distance: imaginary component {np.max(np.abs(covmean.imag))}")
+        covmean = covmean.real
+    return float(diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
+
+
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
-    """Fréchet distance between two Gaussians (clean-fid's implementation)."""
+    """Fréchet distance between two Gaussians (clean-fid's implementation when installed)."""
     import contextlib
     import io
 
-    from cleanfid.fid import frechet_distance as _clean_fid_frechet
+    try:
+        from cleanfid.fid import frechet_distance as _clean_fid_frechet
+    except ImportError:  # same formula and regularisation as clean-fid (pytorch-fid's)
+        _clean_fid_frechet = _frechet_distance_scipy
 
     with contextlib.redirect_stdout(io.StringIO()):  # clean-fid prints when it regularises
         return float(
@@ -322,9 +342,9 @@ class FrechetDistance(Metric):
         (self.real_features if real else self.fake_features).append(arr.reshape(len(arr), -1))
 
     def compute(self) -> MetricValue:
-        if not self.fake_features:
-            return MetricValue(value=float("nan"), n=0)
-        fake = np.concatenate(self.fake_features)
+        fake = np.concatenate(self.fake_features) if self.fake_features else np.zeros((0, 0))
+        if len(fake) < 2:  # a covariance needs two images; report "undefined", not a crash
+            return MetricValue(value=float("nan"), n=len(fake))
         if self.real_features:
             mu, sigma = gaussian_statistics(np.concatenate(self.real_features))
         elif self.reference is not None:
@@ -351,7 +371,7 @@ def tinyworld_fid(
     is the same in every cell.
 
     Args:
-        images: generated images, float ``(N, 3, H, W)`` in [0, 1], ``N >= 2``.
+        images: generated images, float ``(N, 3, H, W)`` in [0, 1] (``N < 2`` gives NaN).
         classifier: a ``TinyWorldClassifier`` (anything with ``features(images) -> (N, D)``).
         n_ref: number of reference scenes.
         seed: seed of the reference scenes.
