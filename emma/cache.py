@@ -38,13 +38,19 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` via a temporary file and a rename.
+
+    The rename makes the write atomic for readers and against a killed process; ``fsync``
+    additionally makes it durable against power loss (costly for many small files).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -113,8 +119,8 @@ class ImageCache:
     def put(self, key: str, image: np.ndarray) -> str:
         """Store a (H, W, 3) uint8 image; returns the sha256 of the pixels."""
         buf = io.BytesIO()
-        Image.fromarray(image).save(buf, format="PNG")
-        atomic_write_bytes(self.path(key), buf.getvalue())
+        Image.fromarray(image).save(buf, format="PNG", compress_level=1)
+        atomic_write_bytes(self.path(key), buf.getvalue(), fsync=False)
         return pixel_hash(image)
 
 
@@ -142,7 +148,7 @@ class ScoreCache:
     def put(self, image_hash: str, probs: np.ndarray) -> None:
         buf = io.BytesIO()
         np.save(buf, np.asarray(probs, dtype=np.float32))
-        atomic_write_bytes(self.path(image_hash), buf.getvalue())
+        atomic_write_bytes(self.path(image_hash), buf.getvalue(), fsync=False)
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -13,15 +13,18 @@ import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any
+
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from emma import quality
 from emma.api.attacker import Attacker
 from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
-from emma.api.types import EA_TYPES, RA_TYPES, Sample
+from emma.api.types import EA_TYPES, RA_TYPES, PromptRequest, Sample
 from emma.cache import ImageCache, ScoreCache, atomic_write_text, sha256_file
 from emma.erase import erase_cached
 from emma.errors import ConfigError, UnknownChoiceError
@@ -36,20 +39,45 @@ log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def classifier_config(cfg: DictConfig, domain: Domain) -> DictConfig:
-    """The classifier config: the ``classifier`` group's choice, or the domain's default
-    judge when that choice is ``auto``."""
+def classifier_config(cfg: DictConfig, name: str | None, domain: Domain) -> DictConfig:
+    """The classifier config: the ``classifier`` group's choice, or — when that choice is
+    ``auto`` — the file ``conf/classifier/<name>.yaml`` the domain asks for, with keys added
+    on the command line (``+classifier.threshold=0.6``) merged in."""
     ccfg = cfg.classifier
     if ccfg.get("_target_") is None:
-        name = domain.classifier
         path = CONF_DIR / "classifier" / f"{name}.yaml"
         if not path.exists():
             valid = [p.stem for p in (CONF_DIR / "classifier").glob("*.yaml") if p.stem != "auto"]
-            raise UnknownChoiceError(f"classifier (default of domain '{domain.name}')", name, valid)
+            raise UnknownChoiceError(f"classifier (asked for by domain '{domain.name}')", name, valid)
         base = OmegaConf.load(path)
         overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
         ccfg = OmegaConf.merge(base, overrides)
     return ccfg
+
+
+class Judges:
+    """The cell's judges, one per classifier config name, built on first use."""
+
+    def __init__(self, cfg: DictConfig, domain: Domain, cache_root: Path) -> None:
+        self.cfg, self.domain, self.cache_root = cfg, domain, cache_root
+        self.auto = cfg.classifier.get("_target_") is None
+        self._judges: dict[str, Judge] = {}
+
+    def name_for(self, request: PromptRequest) -> str:
+        return self.domain.classifier_for(request) if self.auto else "__chosen__"
+
+    def get(self, name: str) -> Judge:
+        if name not in self._judges:
+            ccfg = classifier_config(self.cfg, name, self.domain)
+            classifier: Classifier = hydra.utils.instantiate(ccfg, _convert_="all")
+            self._judges[name] = Judge(classifier, ScoreCache(self.cache_root, classifier.cache_key()))
+        return self._judges[name]
+
+    def for_request(self, request: PromptRequest) -> Judge:
+        return self.get(self.name_for(request))
+
+    def all(self) -> list[Judge]:
+        return list(self._judges.values())
 
 
 def git_hash() -> str | None:
@@ -105,20 +133,21 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     t = time.perf_counter()
     domain: Domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
     concept = domain.concept(cfg.concept or domain.default_concept).name
-    ccfg = classifier_config(cfg, domain)
-    classifier: Classifier = hydra.utils.instantiate(ccfg, _convert_="all")
+    judges = Judges(cfg, domain, cache_root)
     method: ErasureMethod = hydra.utils.instantiate(cfg.method, _convert_="all")
     attacker: Attacker = hydra.utils.instantiate(cfg.attacker, _convert_="all")
     requests = domain.requests(concept, seed=int(cfg.seed),
                                images_per_prompt=cfg.images_per_prompt,
                                types=list(cfg.prompt_types) if cfg.prompt_types else None)
-    undetectable = sorted({r.concept for r in requests if not classifier.can_detect(r.concept)})
-    if undetectable:
-        raise ConfigError(
-            f"classifier '{classifier.name}' cannot judge {undetectable} (its labels: "
-            f"{', '.join(list(classifier.labels)[:20])}{', ...' if len(classifier.labels) > 20 else ''}); "
-            "choose another classifier=..."
-        )
+    for req in requests:
+        classifier = judges.for_request(req).classifier
+        if not classifier.can_detect(req.concept):
+            labels = list(classifier.labels)
+            raise ConfigError(
+                f"classifier '{classifier.name}' cannot judge {req.concept!r} ({req.kind} prompt "
+                f"{req.prompt!r}); its labels: {', '.join(labels[:20])}{', ...' if len(labels) > 20 else ''}. "
+                "Choose another classifier=..."
+            )
     timing["setup_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -126,51 +155,86 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     base_fp = fingerprint(pipe)
     timing["load_s"] = time.perf_counter() - t
 
+    def make_generator(p: Any, fp: str) -> CachedGenerator:
+        return CachedGenerator(
+            p, fp, ImageCache(cache_root),
+            num_inference_steps=cfg.model.num_inference_steps, guidance_scale=cfg.model.guidance_scale,
+            height=cfg.model.height, width=cfg.model.width, batch_size=cfg.model.batch_size,
+            negative_prompt=cfg.model.get("negative_prompt"),
+        )
+
+    images_generated = 0
+    bias_cfg = cfg.metrics.bias
+    if bias_cfg.enabled:
+        t = time.perf_counter()
+        sets = quality.bias_sets(domain.name, bias_cfg.attributes, seed=int(cfg.seed))
+        base_gen = make_generator(pipe, base_fp)
+        base_bias = {b.attribute: quality.render_groups(base_gen, b, int(bias_cfg.images_per_prompt), "bias: base")
+                     for b in sets}
+        images_generated += base_gen.images_generated
+        timing["bias_base_s"] = time.perf_counter() - t
+
     t = time.perf_counter()
     erased = erase_cached(pipe, method, [concept], cache_root, base_fingerprint=base_fp,
                           domain=domain.name, seed=int(cfg.seed))
     timing["erase_s"] = time.perf_counter() - t
 
-    generator = CachedGenerator(
-        erased.pipe, erased.fingerprint, ImageCache(cache_root),
-        num_inference_steps=cfg.model.num_inference_steps, guidance_scale=cfg.model.guidance_scale,
-        height=cfg.model.height, width=cfg.model.width, batch_size=cfg.model.batch_size,
-        negative_prompt=cfg.model.get("negative_prompt"),
-    )
-    judge = Judge(classifier, ScoreCache(cache_root, classifier.cache_key()))
-    target = GenerationTarget(generator, judge)
-
+    generator = make_generator(erased.pipe, erased.fingerprint)
     t = time.perf_counter()
-    per_request = judge_requests(target, requests, progress=f"suite: {domain.name}/{concept}")
-    samples = [s for group in per_request for s in group]
+    samples: list[Sample] = []
+    for name in dict.fromkeys(judges.name_for(r) for r in requests):
+        group = [r for r in requests if judges.name_for(r) == name]
+        target = GenerationTarget(generator, judges.get(name))
+        per_request = judge_requests(target, group, progress=f"suite: {domain.name}/{concept}")
+        samples += [s for reqs in per_request for s in reqs]
     timing["suite_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     attack_requests = [r for r in requests if r.group == "ea"]
+    target = GenerationTarget(generator, judges.for_request(attack_requests[0]))
     outputs = attacker.attack(target, attack_requests)
     attack_samples = [s for o in outputs for s in o.samples]
     timing["attack_s"] = time.perf_counter() - t
 
     metrics = rate_metrics(samples, attack_samples, seed=int(cfg.seed))
+    suite_judge = judges.for_request(requests[0]).classifier
+    if cfg.metrics.fid.enabled:
+        t = time.perf_counter()
+        texts = [r.prompt for r in requests for _ in r.seeds()]
+        seeds = [s for r in requests for s in r.seeds()]
+        fid = quality.fid_metric(domain.name, generator.generate(texts, seeds).images, suite_judge,
+                                 cfg.metrics.fid, notes)
+        if fid is not None:
+            metrics["fid"] = fid
+        timing["fid_s"] = time.perf_counter() - t
+    if bias_cfg.enabled:
+        t = time.perf_counter()
+        erased_bias = {b.attribute: quality.render_groups(generator, b, int(bias_cfg.images_per_prompt),
+                                                          "bias: erased") for b in sets}
+        metrics.update(quality.bias_metrics(base_bias, erased_bias, sets,
+                                            quality.similarities(domain.name, suite_judge, notes),
+                                            int(bias_cfg.n_resamples), int(cfg.seed)))
+        timing["bias_s"] = time.perf_counter() - t
     metrics["time/unlearning_s"] = MetricValue(value=erased.unlearning_s, n=1)
     if generator.images_generated:
         metrics["time/inference_s_per_image"] = MetricValue(
             value=generator.generation_seconds / generator.images_generated, n=generator.images_generated)
 
-    if getattr(classifier, "is_random", False) or cfg.model.kind == "tiny_random":
+    random_judges = [j.classifier.name for j in judges.all() if j.classifier.weights_hash() is None]
+    if random_judges or cfg.model.kind == "tiny_random":
         notes.append(
             "PLUMBING ONLY: "
             + ("the model is randomly initialised (model=tiny_random); " if cfg.model.kind == "tiny_random" else "")
-            + ("the classifier has random weights; " if getattr(classifier, "is_random", False) else "")
+            + (f"classifier(s) {random_judges} have random weights; " if random_judges else "")
             + "these numbers measure nothing about erasure."
         )
 
     counts = {
         "prompts": len(requests),
         "images": len(samples),
-        "images_generated": generator.images_generated,
+        "images_generated": generator.images_generated + images_generated,
         "images_cached": generator.images_cached,
-        "images_scored": judge.images_scored,
+        "images_scored": sum(j.images_scored for j in judges.all()),
         "attack_outputs": len(outputs),
     }
     versions = {
@@ -179,8 +243,9 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         "components": {
             "method": method.config(),
             "attacker": attacker.config(),
-            "classifier": {"name": classifier.name, "version": classifier.version,
-                           "weights_sha256": classifier.weights_hash()},
+            "classifiers": {j.classifier.name: {"version": j.classifier.version,
+                                                "weights_sha256": j.classifier.weights_hash()}
+                            for j in judges.all()},
             "domain": domain.config(),
         },
         "model": {"name": cfg.model.name, "base_fingerprint": base_fp,
@@ -191,7 +256,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     result = CellResult(
         metrics=metrics,
         cell=CellInfo(model=cfg.model.name, method=method.name, domain=domain.name, concept=concept,
-                      attacker=attacker.name, classifier=classifier.name),
+                      attacker=attacker.name, classifier=target.judge.classifier.name),
         config=OmegaConf.to_container(cfg, resolve=True),
         versions=versions, timing=timing, counts=counts, notes=notes,
     )
@@ -205,10 +270,10 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
 
 def summary_table(result: CellResult) -> str:
     """A short plain-text table of the metrics."""
-    rows = [f"{'metric':<28}{'value':>10}{'95% CI':>22}{'n':>8}"]
+    rows = [f"{'metric':<44}{'value':>10}{'95% CI':>22}{'n':>8}"]
     for k, v in sorted(result.metrics.items()):
         ci = f"[{v.ci_low:.3f}, {v.ci_high:.3f}]" if v.ci_low is not None and not np.isnan(v.ci_low) else ""
-        rows.append(f"{k:<28}{v.value:>10.4f}{ci:>22}{v.n:>8}")
+        rows.append(f"{k:<44}{v.value:>10.4f}{ci:>22}{v.n:>8}")
     return "\n".join(rows)
 
 

@@ -13,13 +13,13 @@ class EmmaError(Exception):
 class UnknownChoiceError(EmmaError, KeyError):
     """An unknown name for something that has a fixed set of valid names."""
 
-    def __init__(self, what: str, given: str, valid: Iterable[str]) -> None:
-        self.what, self.given = what, given
+    def __init__(self, what: str, given: str, valid: Iterable[str], where: str = "") -> None:
+        self.what, self.given, self.where = what, given, where
         self.valid = sorted(str(v) for v in valid)
         super().__init__(self.__str__())
 
     def __str__(self) -> str:
-        msg = f"unknown {self.what} {self.given!r}."
+        msg = f"unknown {self.what} {self.given!r}{f' in {self.where}' if self.where else ''}."
         close = difflib.get_close_matches(str(self.given), self.valid, n=3, cutoff=0.5)
         if close:
             msg += f" Did you mean {' or '.join(repr(c) for c in close)}?"

@@ -70,15 +70,18 @@ class CachedGenerator:
         }
 
     def image_key(self, prompt_id: str, seed: int, negative_prompt: str | None) -> str:
-        return stable_hash(
-            {
-                "model": self.model_fingerprint,
-                "prompt": prompt_id,
-                "negative_prompt": negative_prompt,
-                "seed": int(seed),
-                **self.settings(),
-            }
-        )
+        """sha256 of everything that determines the image."""
+        return stable_hash({"sampler": self._settings_hash(), "prompt": prompt_id,
+                            "negative_prompt": negative_prompt, "seed": int(seed)})
+
+    def _settings_hash(self) -> str:
+        # model + sampler settings, hashed once per scheduler state
+        state = (id(self.pipe.scheduler), self.model_fingerprint, self.num_inference_steps,
+                 self.guidance_scale, self.height, self.width)
+        if getattr(self, "_settings_state", None) != state:
+            self._settings_state = state
+            self._settings_digest = stable_hash({"model": self.model_fingerprint, **self.settings()})
+        return self._settings_digest
 
     def generate(
         self,

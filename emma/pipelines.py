@@ -142,7 +142,7 @@ def _from_pretrained(
         kwargs.update(safety_checker=None, requires_safety_checker=False)
     try:
         return cls.from_pretrained(pretrained, **kwargs)
-    except (OSError, ValueError, EnvironmentError) as err:
+    except (OSError, ValueError) as err:
         where = "this folder" if Path(pretrained).exists() else "the Hugging Face Hub"
         raise WeightsUnavailableError(
             f"cannot load {class_name} weights {pretrained!r}"

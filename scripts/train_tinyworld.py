@@ -64,8 +64,17 @@ def train_vae(args, work: Path):
     vae = AutoencoderKL(**arch.VAE_CONFIG).to(args.device)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 1)
+    start, ckpt = 0, work / "vae_ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        vae.load_state_dict(state["vae"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        start = state["step"]
+        log(f"vae: resumed at step {start}")
     log(f"vae: {sum(p.numel() for p in vae.parameters()) / 1e6:.2f}M params")
-    for step in tqdm(range(args.vae_steps), desc="vae", mininterval=10):
+    for step in tqdm(range(start, args.vae_steps), desc="vae", initial=start, total=args.vae_steps,
+                     mininterval=30):
         lr = args.vae_lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * (1 - step / args.vae_steps))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -79,8 +88,10 @@ def train_vae(args, work: Path):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if step % 500 == 0:
-            log(f"vae step {step} loss {loss.item():.4f}")
+        if (step + 1) % args.ckpt_every == 0:
+            atomic_save({"vae": vae.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                         "step": step + 1}, ckpt)
+            log(f"vae step {step + 1} loss {loss.item():.4f}")
     atomic_save(vae.state_dict(), out)
 
 
@@ -261,7 +272,14 @@ def export(args, work: Path, dest: Path):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     vae = load_vae(args, work).cpu()
-    final = torch.load(work / "unet_final.pt", map_location="cpu", weights_only=False)
+    if (work / "unet_final.pt").exists():
+        final = torch.load(work / "unet_final.pt", map_location="cpu", weights_only=False)
+        final["step"] = args.unet_steps
+    else:  # export the EMA weights of the latest checkpoint while training goes on
+        state = torch.load(work / "unet_ckpt.pt", map_location="cpu", weights_only=False)
+        pool = torch.load(work / "pool.pt", map_location="cpu", weights_only=False)
+        final = {"ema": state["ema"], "scaling": pool["scaling"], "step": state["step"]}
+        log(f"exporting the checkpoint of step {state['step']} (training not finished)")
     vae.register_to_config(scaling_factor=final["scaling"])
     unet = UNet2DConditionModel(**arch.UNET_CONFIG)
     unet.load_state_dict(final["ema"]["unet"])
@@ -283,7 +301,8 @@ def export(args, work: Path, dest: Path):
     clf = torch.load(work / "classifier.pt", map_location="cpu", weights_only=False)
     save_file({k: v.contiguous() for k, v in clf["state_dict"].items()},
               str(dest / "classifier.safetensors"))
-    meta = {"classifier_accuracy": clf["accuracy"], "args": vars(args) | {"device": "cpu"}}
+    meta = {"classifier_accuracy": clf["accuracy"], "unet_steps_trained": final["step"],
+            "args": {k: v for k, v in vars(args).items() if k not in ("work_dir", "export")}}
     (dest / "training.json").write_text(json.dumps(meta, indent=2, default=str))
     log(f"exported to {dest}")
 
@@ -295,11 +314,11 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument("--vae-steps", type=int, default=1000)
+    p.add_argument("--vae-steps", type=int, default=800)
     p.add_argument("--vae-batch", type=int, default=32)
     p.add_argument("--vae-lr", type=float, default=1e-3)
     p.add_argument("--vae-kl", type=float, default=1e-4)
-    p.add_argument("--clf-steps", type=int, default=600)
+    p.add_argument("--clf-steps", type=int, default=500)
     p.add_argument("--clf-batch", type=int, default=128)
     p.add_argument("--pool-size", type=int, default=40000)
     p.add_argument("--unet-steps", type=int, default=4000)
@@ -307,23 +326,26 @@ def main(argv=None):
     p.add_argument("--unet-lr", type=float, default=8e-4)
     p.add_argument("--cond-drop", type=float, default=0.1)
     p.add_argument("--ema", type=float, default=0.999)
-    p.add_argument("--ckpt-every", type=int, default=250)
-    p.add_argument("--stop-after", choices=["vae", "classifier", "pool", "unet"], default=None)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--stages", default="vae,classifier,pool,unet",
+                   help="comma-separated stages to run, in order (finished stages are skipped)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    for name, stage in (("vae", train_vae), ("classifier", train_classifier),
-                        ("pool", build_pool), ("unet", train_unet)):
+    stages = {"vae": train_vae, "classifier": train_classifier, "pool": build_pool, "unet": train_unet}
+    for name in filter(None, args.stages.split(",")):
+        if name not in stages:
+            p.error(f"unknown stage {name!r}; valid: {', '.join(stages)}")
         t = time.time()
-        stage(args, work)
+        stages[name](args, work)
         log(f"stage {name}: {time.time() - t:.0f} s")
-        if args.stop_after == name:
-            return
     if args.export:
         export(args, work, Path(args.export))
+        if not args.stages:
+            return
     log(f"total wall time {time.time() - t0:.0f} s")
 
 

@@ -106,7 +106,7 @@ class Domain:
         for c in self.concepts.values():
             if low == c.name.lower() or low in (a.lower() for a in c.aliases):
                 return c
-        raise UnknownChoiceError(f"concept of domain '{self.name}'", name, self.concepts)
+        raise UnknownChoiceError("concept", name, self.concepts, where=f"domain '{self.name}'")
 
     def random_concepts(self, concept: str) -> list[str]:
         """RA random concepts for ``concept``: a fixed pseudo-random draw (by name)."""
@@ -132,6 +132,11 @@ class Domain:
                 out.append(PromptRequest(prompt=prompt, concept=checked, group=group,
                                          kind=kind, seed=seed, n_images=n))
         return out
+
+    def classifier_for(self, request: PromptRequest) -> str:
+        """Name of the judge (a conf/classifier file) for ``request``; domains whose prompt
+        types need different judges (EMMA's nsfw RA prompts check object labels) override it."""
+        return self.classifier
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "suite": self.suite.config()}

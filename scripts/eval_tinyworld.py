@@ -1,0 +1,148 @@
+"""Measure the tiny world's base model and write its model card.
+
+    python scripts/eval_tinyworld.py                       # the shipped assets
+    python scripts/eval_tinyworld.py --assets .cache/tinyworld-export
+
+Writes ``<assets>/quality.json``, ``<assets>/samples.png`` (one row per concept, name
+prompts) and ``<assets>/README.md`` (the model card).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from PIL import Image  # noqa: E402
+
+from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
+from emma.domains.tinyworld import tinyworld_domain  # noqa: E402
+from emma.tinyworld.quality import evaluate_world, make_target, sample_grid  # noqa: E402
+
+CARD = """# Tiny world: a miniature Stable-Diffusion-compatible text-to-image model
+
+The embedded default of the EMMA harness. A real, trained text-to-image pipeline of the SD v1.x
+classes at miniature size, so that erasure, attacks and metrics show real effects on a CPU.
+
+    from diffusers import StableDiffusionPipeline
+    pipe = StableDiffusionPipeline.from_pretrained("emma/tinyworld/assets/pipeline", local_files_only=True)
+    image = pipe("an image of a red star", num_inference_steps=20, guidance_scale=5.0,
+                 height=32, width=32).images[0]
+
+## The world
+
+Procedural 32x32 scenes (`emma/tinyworld/world.py`): one of 8 shapes (circle, square, triangle, star,
+heart, cross, crescent, diamond) in one of 6 colours on one of 4 background textures that act as
+styles (plain, striped, dotted, checkered), at random size and position. Training captions name the
+shape (50%), use a synonym (20%: "disc", "rhombus", ...), a short (15%) or a long (15%) description
+that never uses the name ("a shape with three corners"), and add colour, style and a filler
+prefix word at random; 10% of captions are empty (classifier-free guidance).
+
+## Components
+
+| component | class | size |
+|---|---|---|
+| text encoder | CLIPTextModel, 3 layers, hidden 64, full CLIP BPE vocabulary | {te_params:.2f}M |
+| tokenizer | CLIPTokenizer (the SD v1.x vocabulary, rebuilt from open_clip's BPE file) | |
+| UNet | UNet2DConditionModel, blocks 64/128/128, cross-attention dim 64 | {unet_params:.2f}M |
+| VAE | AutoencoderKL, 32x32x3 -> 8x8x8 latents | {vae_params:.2f}M |
+| scheduler | PNDMScheduler, SD v1.4 configuration | |
+| judge | `classifiers/tinyworld.py`, CNN with shape / colour / style heads | {clf_params:.2f}M |
+
+Weights are stored in fp16 (safetensors) and load as fp32.
+
+## How it was made
+
+    {command}
+
+Deterministic and resumable (`scripts/train_tinyworld.py`): a VAE ({vae_steps} steps, batch
+{vae_batch}), then the judge ({clf_steps} steps on renders and their VAE reconstructions), then
+UNet + text encoder from scratch ({unet_steps} steps, batch {unet_batch}, AdamW lr {unet_lr},
+EMA {ema}) on a pool of {pool_size} encoded scenes with captions drawn afresh at every step.
+Trained on 2 CPU cores; wall time: {wall_time}.
+
+## What it scores
+
+Measured by `python scripts/eval_tinyworld.py` ({n_images} images, 20 PNDM steps, guidance 5,
+seeds from {seed}): the fraction of images in which the judge finds the concept the prompt asks
+for. Prompts are the tiny-world domain's own EMMA-form suite (name: "an image of a circle";
+variant: "an image of a disc"; short / long: descriptions without the name); styles: "a star in
+striped style".
+
+| shape | name | variant | short | long |
+|---|---|---|---|---|
+{shape_rows}
+
+| style | name |
+|---|---|
+{style_rows}
+
+Judge accuracy on held-out renders ({clf_n} scenes): shape {acc_shape:.4f}, colour {acc_colour:.4f},
+style {acc_style:.4f}; on their VAE reconstructions: shape {rec_shape:.4f}, colour {rec_colour:.4f},
+style {rec_style:.4f}.
+
+## Samples
+
+One row per shape, prompt "an image of a <shape>", seeds 0-7:
+
+![samples](samples.png)
+
+## Limits
+
+A toy: 32x32 pixels, 8 shapes, 6 colours, 4 styles, no people, a text encoder that knows only the
+words of its captions. It exists to make the harness's numbers mean something offline; it says
+nothing about how a method behaves on Stable Diffusion.
+"""
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--assets", default=str(ROOT / "emma" / "tinyworld" / "assets"))
+    p.add_argument("--n-name", type=int, default=40)
+    p.add_argument("--n-other", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--wall-time", default="see training.json")
+    p.add_argument("--command", default="python scripts/train_tinyworld.py --export emma/tinyworld/assets")
+    args = p.parse_args(argv)
+    assets = Path(args.assets)
+    clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as cache:
+        target = make_target(assets / "pipeline", clf, cache)
+        q = evaluate_world(target, n_name=args.n_name, n_other=args.n_other, seed=args.seed, progress=True)
+        dom = tinyworld_domain()
+        prompts = [r.prompt for c in dom.concepts for r in dom.requests(c, types=["name"])]
+        Image.fromarray(sample_grid(target, list(dom.concepts), prompts)).save(assets / "samples.png")
+        pipe = target.pipe
+    print(f"evaluated in {time.time() - t0:.0f} s")
+    (assets / "quality.json").write_text(json.dumps(q.to_json(), indent=2))
+    training = json.loads((assets / "training.json").read_text())
+    targs, acc = training["args"], training["classifier_accuracy"]
+    count = lambda m: sum(x.numel() for x in m.parameters()) / 1e6  # noqa: E731
+    card = CARD.format(
+        te_params=count(pipe.text_encoder), unet_params=count(pipe.unet), vae_params=count(pipe.vae),
+        clf_params=count(clf.net), command=args.command, wall_time=args.wall_time,
+        vae_steps=targs["vae_steps"], vae_batch=targs["vae_batch"], clf_steps=targs["clf_steps"],
+        unet_steps=training.get("unet_steps_trained", targs["unet_steps"]), unet_batch=targs["unet_batch"],
+        unet_lr=targs["unet_lr"], ema=targs["ema"], pool_size=targs["pool_size"],
+        n_images=q.n_images["images"], seed=args.seed,
+        shape_rows="\n".join(f"| {c} | " + " | ".join(f"{r[k]:.2f}" for k in ("name", "variant", "short", "long"))
+                             + " |" for c, r in q.shapes.items()),
+        style_rows="\n".join(f"| {c} | {r:.2f} |" for c, r in q.styles.items()),
+        clf_n=acc["n"], acc_shape=acc["renders"]["shape"], acc_colour=acc["renders"]["colour"],
+        acc_style=acc["renders"]["style"], rec_shape=acc["vae_reconstructions"]["shape"],
+        rec_colour=acc["vae_reconstructions"]["colour"], rec_style=acc["vae_reconstructions"]["style"],
+    )
+    (assets / "README.md").write_text(card)
+    print(json.dumps(q.to_json(), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Shared test setup: offline, single-threaded, caches in temporary folders."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests run offline: nothing may reach a model hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory):
+    """Every test session gets its own cache unless EMMA_CACHE is set explicitly."""
+    if "EMMA_CACHE" not in os.environ or os.environ.get("EMMA_TEST_KEEP_CACHE") != "1":
+        os.environ["EMMA_CACHE"] = str(tmp_path_factory.mktemp("emma-cache"))
+    yield
+
+
+def run_env(cache: Path | str, **extra: str) -> dict[str, str]:
+    """Environment for a ``python -m emma.run`` subprocess."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", EMMA_CACHE=str(cache), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env

@@ -1,0 +1,129 @@
+"""Every YAML in every conf/ group composes with the root config and instantiates with the
+tiny model, offline. Real-weight files are instantiated in their random/offline mode, and
+their real mode must fail with the download message, not a library traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
+from emma.api.attacker import Attacker
+from emma.api.classifier import Classifier
+from emma.api.domain import Domain
+from emma.api.method import ErasureMethod
+from emma.config import GROUPS, register_configs
+from emma.errors import WeightsUnavailableError
+from emma.pipelines import load_pipeline
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_configs()
+
+# yaml keys that switch a real-weight classifier to random weights (offline plumbing)
+RANDOM_MODE = {
+    "clip_zero_shot": ["classifier.weights=null", "classifier.labels=[circle,square]"],
+    "gcd": ["classifier.weights=null"],
+    "ml_decoder": ["classifier.weights=null"],
+    "q16": ["classifier.weights=null", "classifier.clip_weights=null"],
+    "style_vit": ["classifier.weights=null"],
+    "yolo_logo": ["classifier.weights=null"],
+    "vlm_judge": ["classifier.backend=null", "classifier.labels=[circle,square]"],
+    "nudenet": [],
+    "tinyworld": ["classifier.weights=null"],
+}
+
+
+def files(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def cfg_with(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=["model=tiny_random", *overrides])
+
+
+def test_every_group_has_files():
+    for group in GROUPS:
+        if group == "experiment":
+            continue
+        assert files(group), f"conf/{group} is empty"
+
+
+@pytest.mark.parametrize("name", files("model"))
+def test_model_files(name):
+    cfg = cfg_with(f"model={name}", "model.device=cpu", "model.dtype=float32")
+    assert cfg.model.name == name
+    if cfg.model.kind == "diffusers":
+        with pytest.raises(WeightsUnavailableError, match="huggingface-cli download"):
+            load_pipeline(cfg.model)
+    elif cfg.model.kind == "tinyworld" and not (Path(__file__).parents[1] / "emma/tinyworld/assets/pipeline").exists():
+        pytest.skip("tiny-world assets not built")
+    else:
+        pipe = load_pipeline(cfg.model)
+        assert pipe.unet.config.in_channels == pipe.vae.config.latent_channels
+
+
+@pytest.mark.parametrize("name", files("method"))
+def test_method_files(name):
+    cfg = cfg_with(f"method={name}")
+    if name == "checkpoint":  # needs the user's checkpoint: the path is mandatory
+        from omegaconf.errors import MissingMandatoryValue
+
+        with pytest.raises(MissingMandatoryValue, match="method.path"):
+            instantiate(cfg.method)
+        return
+    method = instantiate(cfg.method)
+    assert isinstance(method, ErasureMethod)
+    assert method.config()["name"] == method.name
+
+
+@pytest.mark.parametrize("name", files("attacker"))
+def test_attacker_files(name):
+    assert isinstance(instantiate(cfg_with(f"attacker={name}").attacker), Attacker)
+
+
+@pytest.mark.parametrize("name", files("domain"))
+def test_domain_files(name):
+    domain = instantiate(cfg_with(f"domain={name}").domain)
+    assert isinstance(domain, Domain)
+    assert domain.name == name
+    assert domain.default_concept in domain.concepts
+    assert (CONF / "classifier" / f"{domain.classifier}.yaml").exists()
+
+
+@pytest.mark.parametrize("name", [n for n in files("classifier") if n != "auto"])
+def test_classifier_files_random_mode(name):
+    cfg = cfg_with(f"classifier={name}", *RANDOM_MODE[name])
+    clf = instantiate(cfg.classifier)
+    assert isinstance(clf, Classifier)
+    assert len(clf.labels) > 0
+
+
+@pytest.mark.parametrize("name", [n for n in files("classifier")
+                                  if n not in ("auto", "nudenet", "tinyworld", "vlm_judge")])
+def test_classifier_files_real_mode_fail_fast_offline(name):
+    cfg = cfg_with(f"classifier={name}")
+    with pytest.raises((WeightsUnavailableError, InstantiationException)) as info:
+        instantiate(cfg.classifier)
+    err = info.value.__cause__ if isinstance(info.value, InstantiationException) else info.value
+    assert isinstance(err, WeightsUnavailableError)
+    assert "python -m emma.weights fetch" in str(err)
+
+
+@pytest.mark.parametrize("group", ["metrics", "logger", "paths"])
+def test_plain_groups_compose(group):
+    for name in files(group):
+        cfg = cfg_with(f"{group}={name}")
+        assert cfg[group] is not None
+
+
+def test_root_defaults_name_the_axes():
+    cfg = cfg_with()
+    for key in ("model", "method", "domain", "attacker", "classifier", "metrics", "logger", "paths"):
+        assert key in cfg
+    assert "concept" in cfg and "seed" in cfg

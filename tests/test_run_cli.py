@@ -1,0 +1,155 @@
+"""`python -m emma.run` end to end: choices, results schema, caching, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import ROOT, run_env
+
+# A plumbing cell: random tiny pipeline, random judge, few images.
+TINY = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null"]
+
+
+def emma_run(args, cache, timeout=600, **popen):
+    return subprocess.run([sys.executable, "-m", "emma.run", *args], cwd=ROOT, env=run_env(cache),
+                          capture_output=True, text=True, timeout=timeout, **popen)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("method=nonee", "unknown method 'nonee'. Did you mean 'none'?"),
+        ("domain=tinyworl", "unknown domain 'tinyworl'. Did you mean 'tinyworld'"),
+        ("attacker=statc", "unknown attacker 'statc'. Did you mean 'static'?"),
+        ("model=sd15", "unknown model 'sd15'."),
+    ],
+)
+def test_unknown_group_choice_exits_with_valid_choices(override, expected, tmp_path):
+    proc = emma_run([override, *TINY], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert expected in proc.stderr
+    group = override.split("=")[0]
+    valid = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+    assert f"Available: {', '.join(valid)}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_concept_exits_with_valid_concepts(tmp_path):
+    proc = emma_run(["concept=circel", *TINY, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unknown concept 'circel' in domain 'tinyworld'. Did you mean 'circle'" in proc.stderr
+    assert "Available: circle, crescent, cross, diamond, heart, square, star, triangle" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_misspelt_key_fails_at_compose_time(tmp_path):
+    proc = emma_run(["images_per_promt=2", *TINY], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "images_per_promt" in proc.stderr
+
+
+def _cell_args(run_dir, n=2):
+    return [*TINY, f"images_per_prompt={n}", "prompt_types=[name,variant,random]",
+            f"hydra.run.dir={run_dir}"]
+
+
+def test_cell_writes_schema_and_rerun_generates_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    first = emma_run(_cell_args(tmp_path / "a"), cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    res = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert res["schema_version"] == 1
+    assert res["cell"] == {"model": "tiny_random", "method": "none", "domain": "tinyworld",
+                           "concept": "circle", "attacker": "static", "classifier": "tinyworld"}
+    # 1 name + 4 variant EA prompts, 5 random RA prompts, 2 images each
+    assert res["counts"]["images"] == 20
+    assert res["counts"]["images_generated"] == 20
+    assert set(res["metrics"]) >= {"ea/name", "ea/variant", "ra/random", "asr", "asr/pre",
+                                   "time/unlearning_s", "time/inference_s_per_image"}
+    for key in ("ea/name", "ea/variant", "ra/random", "asr"):
+        m = res["metrics"][key]
+        assert set(m) == {"value", "ci_low", "ci_high", "n"}
+        assert m["ci_low"] <= m["value"] <= m["ci_high"]
+    assert res["metrics"]["ea/name"]["n"] == 2 and res["metrics"]["ea/variant"]["n"] == 8
+    assert res["metrics"]["ra/random"]["n"] == 10
+    assert any("PLUMBING ONLY" in n for n in res["notes"])
+    assert res["versions"]["components"]["method"]["name"] == "none"
+    assert res["versions"]["model"]["base_fingerprint"] == res["versions"]["model"]["erased_fingerprint"]
+    assert set(res["timing"]) >= {"load_s", "erase_s", "suite_s", "attack_s"}
+    samples = [json.loads(line) for line in (tmp_path / "a" / "samples.jsonl").read_text().splitlines()]
+    suite = [s for s in samples if s["group"] in ("ea", "ra")]
+    assert len(suite) == 20
+    assert {s["seed"] for s in suite} == {0, 1}
+    assert all(len(s["image_hash"]) == 64 for s in samples)
+
+    second = emma_run(_cell_args(tmp_path / "b"), cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    res2 = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res2["counts"]["images_generated"] == 0
+    assert res2["counts"]["images_scored"] == 0
+    assert res2["counts"]["images_cached"] == res["counts"]["images_cached"] + 20
+    assert {k: v for k, v in res2["metrics"].items() if not k.startswith("time/")} == {
+        k: v for k, v in res["metrics"].items() if not k.startswith("time/")}
+
+
+def _cache_files(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.is_file()]
+
+
+def test_sigkill_mid_generation_then_resume(tmp_path):
+    """Kill a cell while it writes images; the re-run completes with the same metrics as an
+    uninterrupted run and the cache holds no partial or corrupt file."""
+    cache = tmp_path / "cache"
+    args = [*TINY, "images_per_prompt=12", "prompt_types=[name,variant,short,random]",
+            "model.batch_size=4"]
+    proc = subprocess.Popen([sys.executable, "-m", "emma.run", *args, f"hydra.run.dir={tmp_path / 'killed'}"],
+                            cwd=ROOT, env=run_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    images = cache / "images"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        n = len(list(images.rglob("*.png"))) if images.exists() else 0
+        if n >= 24:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    n_before = len(list(images.rglob("*.png")))
+    assert 24 <= n_before < 156, "the kill must land mid-generation"
+    assert not (tmp_path / "killed" / "results.json").exists()
+
+    resumed = emma_run([*args, f"hydra.run.dir={tmp_path / 'resumed'}"], cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    res = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert res["counts"]["images_generated"] == 156 - n_before
+
+    fresh = emma_run([*args, f"hydra.run.dir={tmp_path / 'fresh'}"], tmp_path / "cache2")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    ref = json.loads((tmp_path / "fresh" / "results.json").read_text())
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}  # noqa: E731
+    assert strip(res["metrics"]) == strip(ref["metrics"])
+
+    files = _cache_files(cache)
+    assert not [p for p in files if p.name.endswith(".tmp")]
+    pngs = [p for p in files if p.suffix == ".png"]
+    assert len(pngs) == 156
+    for p in pngs:
+        with Image.open(p) as im:
+            arr = np.asarray(im.convert("RGB"))
+        assert arr.shape == (32, 32, 3)
+    # resumed and fresh caches hold the same images under the same keys
+    ref_pngs = {p.name: p for p in (tmp_path / "cache2" / "images").rglob("*.png")}
+    assert set(ref_pngs) == {p.name for p in pngs}
+    for p in pngs[:20]:
+        assert p.read_bytes() == ref_pngs[p.name].read_bytes()
