@@ -94,12 +94,32 @@ def bias_metrics(base: dict[str, dict[str, torch.Tensor]], erased: dict[str, dic
     return out
 
 
+def tinyworld_reference(judge: Any, n_ref: int, seed: int) -> Any:
+    """Statistics of ``n_ref`` rendered scenes in the judge's feature space, cached by
+    (judge weights, renderer version, n_ref, seed): the same reference for every cell."""
+    from emma.cache import stable_hash
+    from emma.metrics.fid import ReferenceStatistics, reference_statistics_path
+
+    key = stable_hash({"judge": judge.cache_key(), "world": world.WORLD_VERSION, "n": n_ref, "seed": seed})
+    path = reference_statistics_path(f"tinyworld-{key[:16]}", "tinyworld-judge-features")
+    if path.exists():
+        return ReferenceStatistics.load(path)
+    refs = torch.from_numpy(world.render_batch(world.sample_specs(n_ref, seed)))
+    stats = ReferenceStatistics.from_features(judge.features(refs).double().numpy(), name="tinyworld",
+                                              extractor="tinyworld-judge-features")
+    stats.save(path)
+    return stats
+
+
 def fid_metric(domain_name: str, images: torch.Tensor, judge: Any, cfg: Any, notes: list[str]) -> MetricValue | None:
     """FID of ``images``; ``None`` (with a note) where the reference cannot be had here."""
     if domain_name in TINYWORLD_DOMAINS and hasattr(judge, "features"):
-        from emma.metrics.fid import tinyworld_fid
+        from emma.metrics.fid import FrechetDistance
 
-        return tinyworld_fid(images, judge, n_ref=int(cfg.n_ref), seed=int(cfg.reference_seed))
+        metric = FrechetDistance(feature_extractor=judge.features,
+                                 reference=tinyworld_reference(judge, int(cfg.n_ref), int(cfg.reference_seed)))
+        metric.update(images)
+        return metric.compute()
     try:
         from emma.metrics.fid import CleanFIDInception, FrechetDistance, reference_statistics
 

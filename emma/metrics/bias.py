@@ -117,12 +117,44 @@ class SSIMSimilarity:
         return x.clamp(0, 1)
 
     def pairwise(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        ii, jj = torch.meshgrid(torch.arange(len(x)), torch.arange(len(y)), indexing="ij")
-        ii, jj = ii.reshape(-1), jj.reshape(-1)
-        out = torch.empty(len(ii), dtype=torch.float64)
-        for s in range(0, len(ii), self.chunk):
-            out[s : s + self.chunk] = ssim_pairs(x[ii[s : s + self.chunk]], y[jj[s : s + self.chunk]])
-        return out.reshape(len(x), len(y))
+        return ssim_matrix(x, y, chunk=self.chunk)
+
+
+def ssim_matrix(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0, sigma: float = 1.5,
+                k1: float = 0.01, k2: float = 0.03, chunk: int = 64) -> torch.Tensor:
+    """``(len(x), len(y))`` SSIM of every pair, equal to :func:`ssim_pairs` pair by pair.
+
+    The local means and variances of each image are filtered once, and only the cross term
+    of each pair is filtered per pair; the Gaussian window is applied as two 1-D passes.
+    """
+    radius = int(3.5 * sigma + 0.5)
+    if min(x.shape[-2:]) < 2 * radius + 1:
+        raise ValueError(f"SSIM needs images of at least {2 * radius + 1}x{2 * radius + 1} pixels")
+    t = torch.arange(-radius, radius + 1, dtype=torch.float64)
+    g = torch.exp(-0.5 * (t / sigma) ** 2)
+    g = g / g.sum()
+    c, k = x.shape[1], len(g)
+    gh = g.view(1, 1, 1, k).expand(c, 1, 1, k).to(x.device)
+    gv = g.view(1, 1, k, 1).expand(c, 1, k, 1).to(x.device)
+
+    def filt(v: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(F.conv2d(v, gh, groups=c), gv, groups=c)
+
+    x, y = x.double(), y.double()
+    mu_x, mu_y = filt(x), filt(y)
+    var_x, var_y = filt(x * x) - mu_x**2, filt(y * y) - mu_y**2
+    c1, c2 = (k1 * data_range) ** 2, (k2 * data_range) ** 2
+    ii, jj = torch.meshgrid(torch.arange(len(x)), torch.arange(len(y)), indexing="ij")
+    ii, jj = ii.reshape(-1), jj.reshape(-1)
+    out = torch.empty(len(ii), dtype=torch.float64)
+    for s in range(0, len(ii), chunk):
+        i, j = ii[s : s + chunk], jj[s : s + chunk]
+        ma, mb = mu_x[i], mu_y[j]
+        cov = filt(x[i] * y[j]) - ma * mb
+        num = (2 * ma * mb + c1) * (2 * cov + c2)
+        den = (ma**2 + mb**2 + c1) * (var_x[i] + var_y[j] + c2)
+        out[s : s + chunk] = (num / den).mean(dim=(1, 2, 3))
+    return out.reshape(len(x), len(y))
 
 
 class CLIPSimilarity:

@@ -18,6 +18,8 @@ from typing import Sequence
 import numpy as np
 
 IMAGE_SIZE = 32
+# Bumped whenever rendering or captions change (cached references depend on it).
+WORLD_VERSION = "1"
 
 SHAPES: tuple[str, ...] = (
     "circle",
