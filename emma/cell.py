@@ -243,8 +243,9 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         "components": {
             "method": method.config(),
             "attacker": attacker.config(),
-            "classifiers": {j.classifier.name: {"version": j.classifier.version,
-                                                "weights_sha256": j.classifier.weights_hash()}
+            "classifiers": {j.classifier.name: (j.classifier.describe() if hasattr(j.classifier, "describe")
+                                                else {"version": j.classifier.version,
+                                                      "weights_sha256": j.classifier.weights_hash()})
                             for j in judges.all()},
             "domain": domain.config(),
         },

@@ -49,12 +49,21 @@ register_configs()
 def main(cfg: DictConfig) -> dict | None:
     from emma.cell import describe, run_cell
 
+    from hydra.errors import InstantiationException
+
     out = HydraConfig.get().runtime.output_dir
     try:
         result = run_cell(cfg, out)
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except InstantiationException as err:
+        # a component refused its configuration: show its own message, not Hydra's wrapper
+        cause = err.__cause__
+        if isinstance(cause, EmmaError):
+            print(f"error: {cause}", file=sys.stderr)
+            sys.exit(2)
+        raise
     print(describe(result))
     print(f"results: {Path(out) / 'results.json'}")
     return {k: v.value for k, v in result.metrics.items()}

@@ -153,3 +153,12 @@ def test_sigkill_mid_generation_then_resume(tmp_path):
     assert set(ref_pngs) == {p.name for p in pngs}
     for p in pngs[:20]:
         assert p.read_bytes() == ref_pngs[p.name].read_bytes()
+
+
+def test_missing_classifier_weights_print_the_download_message(tmp_path):
+    proc = emma_run(["model=tiny_random", "domain=tinyworld", "classifier=ml_decoder",
+                     f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ")
+    assert "python -m emma.weights fetch" in proc.stderr
+    assert "Traceback" not in proc.stderr
