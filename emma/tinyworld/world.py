@@ -91,7 +91,7 @@ SHAPE_SHORT: dict[str, tuple[str, ...]] = {
     ),
     "diamond": (
         "a tilted shape with four pointed tips",
-        "a square standing on its corner",
+        "a four-sided shape standing on its corner",
         "a four-sided shape with sharp top and bottom points",
     ),
 }
@@ -103,7 +103,7 @@ SHAPE_LONG: dict[str, tuple[str, ...]] = {
     ),
     "square": (
         "a flat shape with four equal straight sides that meet at four right angles",
-        "a boxy flat form with four straight edges of the same length and square corners",
+        "a boxy flat form with four straight edges of the same length and right-angled corners",
     ),
     "triangle": (
         "a flat shape with three straight edges and three corners, wide at the bottom",
@@ -119,7 +119,7 @@ SHAPE_LONG: dict[str, tuple[str, ...]] = {
     ),
     "cross": (
         "a flat shape made of one vertical bar and one horizontal bar crossing in the middle",
-        "two thick straight bars of equal length that cross each other at right angles",
+        "two thick straight bars of equal length that meet in the middle at right angles",
     ),
     "crescent": (
         "a thin curved sliver like the new moon, thick in the middle and pointed at both ends",
@@ -138,7 +138,7 @@ STYLE_PHRASES: dict[str, tuple[str, ...]] = {
 }
 STYLE_VARIANTS: dict[str, tuple[str, ...]] = {
     "plain": ("solid", "flat", "uniform"),
-    "striped": ("lined", "banded", "pinstriped"),
+    "striped": ("lined", "banded", "streaked"),
     "dotted": ("polka-dot", "spotted", "speckled"),
     "checkered": ("chessboard", "checkerboard", "tiled"),
 }

@@ -1,0 +1,136 @@
+"""The tiny world: renderer, captions, tokenizer, training script end to end, and the shipped
+model's quality on a small sample (looser floors than the model card's)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from emma.tinyworld import world
+from emma.tinyworld.tokenizer import local_clip_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "emma" / "tinyworld" / "assets"
+needs_assets = pytest.mark.skipif(not (ASSETS / "pipeline" / "model_index.json").exists(),
+                                  reason="tiny-world assets not built (scripts/train_tinyworld.py --export)")
+
+
+def test_rendering_is_deterministic_and_covers_the_world():
+    a = world.render_batch(world.sample_specs(64, seed=3))
+    b = world.render_batch(world.sample_specs(64, seed=3))
+    c = world.render_batch(world.sample_specs(64, seed=4))
+    assert a.shape == (64, 3, 32, 32) and a.dtype == np.float32
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    specs = world.sample_specs(2000, seed=0)
+    assert {s.shape for s in specs} == set(world.SHAPES)
+    assert {s.colour for s in specs} == set(world.COLOURS)
+    assert {s.style for s in specs} == set(world.STYLES)
+    assert len(world.SHAPES) >= 8 and len(world.COLOURS) >= 6 and len(world.STYLES) >= 4
+
+
+def test_shape_masks_differ_between_shapes():
+    masks = {s: world.shape_mask(s, 16, 16, 11) > 0.5 for s in world.SHAPES}
+    for s1 in world.SHAPES:
+        assert 40 < masks[s1].sum() < 400, s1
+        for s2 in world.SHAPES:
+            if s1 < s2:
+                assert (masks[s1] ^ masks[s2]).sum() > 15, (s1, s2)
+    # a circle is rotation-symmetric, a triangle is not upside-down symmetric
+    assert (masks["circle"] == masks["circle"][::-1]).mean() > 0.98
+    assert (masks["triangle"] == masks["triangle"][::-1]).mean() < 0.9
+
+
+def test_descriptions_never_use_name_or_synonym():
+    for shape in world.SHAPES:
+        banned = [shape, *world.SHAPE_VARIANTS[shape]]
+        for desc in world.SHAPE_SHORT[shape] + world.SHAPE_LONG[shape]:
+            for phrase in banned:
+                assert not re.search(rf"\b{re.escape(phrase)}s?\b", desc.lower()), (shape, desc, phrase)
+        assert len(world.SHAPE_VARIANTS[shape]) >= 3
+    for style in world.STYLES:
+        assert len(world.STYLE_VARIANTS[style]) >= 3
+        for v in world.STYLE_VARIANTS[style]:
+            assert style not in v
+
+
+def test_captions_mix_names_synonyms_and_descriptions():
+    rng = np.random.default_rng(0)
+    spec = world.SceneSpec("heart", "red", "dotted", 16, 16, 10, 0)
+    caps = [world.caption(spec, rng) for _ in range(400)]
+    named = sum("heart" in c for c in caps) / len(caps)
+    synonym = sum(any(v in c for v in world.SHAPE_VARIANTS["heart"]) for c in caps) / len(caps)
+    described = sum(any(d.split(" ", 1)[1][:20] in c for d in world.SHAPE_SHORT["heart"] + world.SHAPE_LONG["heart"])
+                    for c in caps) / len(caps)
+    assert 0.4 < named < 0.6 and 0.12 < synonym < 0.3 and 0.2 < described < 0.4
+    assert all("heart" not in c for c in caps if any(v in c for v in world.SHAPE_VARIANTS["heart"]))
+
+
+def test_local_clip_tokenizer_matches_sd_vocabulary():
+    tok = local_clip_tokenizer()
+    assert tok.model_max_length == 77 and len(tok) == 49408
+    assert tok.bos_token == "<|startoftext|>" and tok.eos_token == "<|endoftext|>"
+    # ids of openai/clip-vit-large-patch14 (SD v1.x) for a known sentence
+    assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    ids = tok("x", padding="max_length", max_length=77).input_ids
+    assert len(ids) == 77 and ids[-1] == 49407
+
+
+def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    work, out = tmp_path / "work", tmp_path / "export"
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_tinyworld.py"), "--work-dir", str(work),
+           "--export", str(out), "--threads", "1", "--vae-steps", "3", "--vae-batch", "4", "--clf-steps", "2",
+           "--clf-batch", "8", "--pool-size", "64", "--unet-steps", "4", "--unet-batch", "4", "--ckpt-every", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("vae.pt", "classifier.pt", "pool.pt", "unet_final.pt"):
+        assert (work / name).exists(), name
+    training = json.loads((out / "training.json").read_text())
+    assert training["unet_steps_trained"] == 4
+    pipe = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, torch_dtype=torch.float32)
+    assert pipe.unet.config.sample_size == 8 and pipe.vae.config.latent_channels == 8
+    assert pipe.text_encoder.config.num_hidden_layers == 3
+    img = pipe("an image of a red star", num_inference_steps=2, guidance_scale=5.0, height=32, width=32,
+               generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert img.shape == (1, 3, 32, 32)
+    # resuming a finished run trains nothing more and re-exports identical weights
+    before = (out / "classifier.safetensors").read_bytes()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert again.returncode == 0 and "unet: done, skipping" in again.stdout
+    assert (out / "classifier.safetensors").read_bytes() == before
+
+
+@needs_assets
+def test_shipped_classifier_accuracy_on_held_out_renders():
+    from classifiers.tinyworld import HEADS, TinyWorldClassifier
+
+    clf = TinyWorldClassifier()
+    specs = world.sample_specs(400, seed=424242)
+    probs = clf.predict(torch.from_numpy(world.render_batch(specs)))
+    for head, attr in (("shape", "shape"), ("colour", "colour"), ("style", "style")):
+        lo = sum(len(HEADS[h]) for h in list(HEADS)[: list(HEADS).index(head)])
+        pred = probs[:, lo : lo + len(HEADS[head])].argmax(1)
+        truth = torch.tensor([HEADS[head].index(getattr(s, attr)) for s in specs])
+        assert (pred == truth).float().mean() >= 0.97, head
+
+
+@needs_assets
+def test_shipped_model_draws_what_it_is_asked_for(tmp_path):
+    from classifiers.tinyworld import TinyWorldClassifier
+    from emma.tinyworld.quality import evaluate_world, make_target
+
+    target = make_target(ASSETS / "pipeline", TinyWorldClassifier(), tmp_path)
+    q = evaluate_world(target, n_name=6, n_other=2, seed=77)
+    name = [r["name"] for r in q.shapes.values()]
+    assert np.mean(name) >= 0.8 and min(name) >= 0.5, q.shapes
+    for kind in ("variant", "short", "long"):
+        assert np.mean([r[kind] for r in q.shapes.values()]) >= 0.5, (kind, q.shapes)
+    assert np.mean(list(q.styles.values())) >= 0.6, q.styles
