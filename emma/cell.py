@@ -191,8 +191,10 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
 
     t = time.perf_counter()
     attack_requests = [r for r in requests if r.group == "ea"]
-    target = GenerationTarget(generator, judges.for_request(attack_requests[0]))
-    outputs = attacker.attack(target, attack_requests)
+    outputs = []
+    if attack_requests:  # prompt_types may leave only RA prompts: then there is nothing to attack
+        target = GenerationTarget(generator, judges.for_request(attack_requests[0]))
+        outputs = attacker.attack(target, attack_requests)
     attack_samples = [s for o in outputs for s in o.samples]
     timing["attack_s"] = time.perf_counter() - t
 
@@ -257,7 +259,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     result = CellResult(
         metrics=metrics,
         cell=CellInfo(model=cfg.model.name, method=method.name, domain=domain.name, concept=concept,
-                      attacker=attacker.name, classifier=target.judge.classifier.name),
+                      attacker=attacker.name, classifier=suite_judge.name),
         config=OmegaConf.to_container(cfg, resolve=True),
         versions=versions, timing=timing, counts=counts, notes=notes,
     )

@@ -77,8 +77,9 @@ def default_assets() -> tuple[Path, Path]:
 def load_tinyworld(pipeline: Path, device: str = "cpu") -> Any:
     from diffusers import StableDiffusionPipeline
 
+    # The tiny world ships fp16 weights; it runs (and is erased) in fp32 on CPUs.
     pipe = StableDiffusionPipeline.from_pretrained(str(pipeline), local_files_only=True, safety_checker=None,
-                                                   requires_safety_checker=False)
+                                                   requires_safety_checker=False, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

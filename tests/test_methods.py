@@ -311,3 +311,38 @@ def test_mace_uses_an_injected_segmenter(base, pipe):
     assert calls == [["circle", "circle"]]
     assert m.config()["segmenter"].startswith("callable:")
     assert changed(base, pipe) == kv_weights(base)
+
+
+@pytest.mark.parametrize("name, optimizer", [("esd-x", "Adam"), ("mace", "AdamW"), ("fmn", "AdamW")])
+def test_a_failure_mid_training_restores_the_weights(base, pipe, monkeypatch, name, optimizer):
+    cls = getattr(torch.optim, optimizer)
+    real_step, calls = cls.step, []
+
+    def failing_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("interrupted")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "step", failing_step)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        small(name).erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    assert len(calls) == 2  # one real update happened before the failure
+    assert fingerprint(pipe) == fingerprint(base)
+    assert pipe.unet.dtype == base.unet.dtype
+    # the temporary cross-attention processors are gone too
+    assert not any(type(p).__name__ == "Attn2Processor" for p in pipe.unet.attn_processors.values())
+
+
+def test_uce_prompt_expansion_and_tensor_technique(base, pipe):
+    m = UCEMethod(guide_concepts={"style": "art"}, add_prompts=True)
+    pairs = m.edit_pairs(["van gogh"], "style")
+    assert pairs[0] == ("van gogh", "art") and ("painting by van gogh", "painting by art") in pairs
+    assert len(pairs) == 6
+    assert UCEMethod(guide_concepts={"object": {"cat": "animal", "_default": "object"}}).edit_pairs(
+        ["cat", "bus"], "object") == [("cat", "animal"), ("bus", "object")]
+    replace = copy.deepcopy(base)
+    UCEMethod(guide_concepts="shape").erase(replace, ["circle"], domain=DOMAIN)
+    UCEMethod(guide_concepts="shape", technique="tensor").erase(pipe, ["circle"], domain=DOMAIN)
+    assert changed(base, pipe) == kv_weights(base)
+    assert fingerprint(pipe) != fingerprint(replace)
