@@ -134,3 +134,25 @@ def test_shipped_model_draws_what_it_is_asked_for(tmp_path):
     for kind in ("variant", "short", "long"):
         assert np.mean([r[kind] for r in q.shapes.values()]) >= 0.5, (kind, q.shapes)
     assert np.mean(list(q.styles.values())) >= 0.6, q.styles
+
+
+@needs_assets
+def test_default_cell_measures_the_base_model(tmp_path, monkeypatch):
+    """The base model draws the target and the non-targets: EA is low and RA high, and an
+    erasure method would have room to move both (issue 5's floors rely on this)."""
+    from hydra import compose, initialize_config_dir
+
+    from emma.cell import run_cell
+    from emma.config import register_configs
+
+    monkeypatch.setenv("EMMA_CACHE", str(tmp_path / "cache"))
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "concept=star", "images_per_prompt=6", "prompt_types=[name,random]", "metrics=rates_only"])
+    res = run_cell(cfg, tmp_path / "run")
+    assert res.cell.model == "tinyworld" and res.cell.classifier == "tinyworld"
+    assert res.metrics["ea/name"].n == 6 and res.metrics["ra/random"].n == 30
+    assert res.metrics["ea/name"].value <= 0.34
+    assert res.metrics["ra/random"].value >= 0.6
+    assert not res.notes  # real weights: no plumbing-only note
