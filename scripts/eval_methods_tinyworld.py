@@ -42,8 +42,8 @@ RA_TYPES = ("random", "similar")
 SAMPLER = dict(num_inference_steps=20, guidance_scale=5.0, height=32, width=32)
 DOMAIN = "tinyworld"
 
-# Scaled-down settings. The tiny world samples with 20 steps at guidance 5, so the methods'
-# own samplers use the same; everything not listed keeps the paper default of the method.
+# Scaled-down settings: the methods' own samplers take the tiny world's 20 steps; everything
+# not listed (guidance scales of those samplers included) keeps the paper default.
 TINYWORLD_SETTINGS: dict[str, tuple[type, dict[str, Any]]] = {
     "esd-x": (ESDMethod, dict(train_method="esd-x", iterations=200, learning_rate=1e-4, ddim_steps=20,
                               start_guidance=5.0)),
@@ -51,15 +51,15 @@ TINYWORLD_SETTINGS: dict[str, tuple[type, dict[str, Any]]] = {
                               start_guidance=5.0)),
     "uce": (UCEMethod, dict(guide_concepts={DOMAIN: "shape"})),
     "mace": (MACEMethod, dict(mapping_concepts={DOMAIN: "background"}, learning_rate=1e-3, max_train_steps=50,
-                              num_images=8, sample_steps=20, sample_guidance=5.0, segmenter="attention")),
+                              num_images=8, sample_steps=20, segmenter="attention")),
     "ca": (ConceptAblationMethod, dict(anchor_concepts={DOMAIN: "shape"}, num_class_images=64,
                                        train_batch_size=8, learning_rate=1e-4, max_train_steps=100,
-                                       sample_steps=20, sample_guidance=5.0)),
+                                       sample_steps=20)),
     "ca-model": (ConceptAblationMethod, dict(loss="model", anchor_concepts={DOMAIN: "shape"},
                                              num_class_images=64, train_batch_size=8, learning_rate=1e-4,
-                                             max_train_steps=100, sample_steps=20, sample_guidance=5.0)),
+                                             max_train_steps=100, sample_steps=20)),
     "fmn": (ForgetMeNotMethod, dict(prompt_templates={DOMAIN: "an image of a {}"}, learning_rate=1e-4,
-                                    max_train_steps=35, num_images=8, sample_steps=20, sample_guidance=5.0)),
+                                    max_train_steps=35, num_images=8, sample_steps=20)),
 }
 
 
@@ -94,14 +94,15 @@ def prompt_suite(concept: str) -> dict[str, list[tuple[str, str]]]:
 
 @torch.no_grad()
 def judge(pipe: Any, classifier: Any, prompts: list[tuple[str, str]], seeds: int,
-          batch_size: int = 32) -> list[bool]:
+          batch_size: int = 32, sampler: dict[str, Any] | None = None) -> list[bool]:
     """Draw ``seeds`` images per prompt and return, per image, whether its concept is found."""
     jobs = [(p, c, s) for p, c in prompts for s in range(seeds)]
     found: list[bool] = []
     for i in range(0, len(jobs), batch_size):
         chunk = jobs[i : i + batch_size]
         gens = [torch.Generator("cpu").manual_seed(s) for _, _, s in chunk]
-        images = pipe([p for p, _, _ in chunk], generator=gens, output_type="pt", **SAMPLER).images
+        images = pipe([p for p, _, _ in chunk], generator=gens, output_type="pt",
+                      **(sampler or SAMPLER)).images
         images = (images.float().cpu() * 255).round() / 255  # judged as the harness stores them (8 bit)
         probs = classifier.predict(images)
         for j, (_, c, _) in enumerate(chunk):
@@ -119,12 +120,13 @@ class Row:
 
 
 def rates_of(pipe: Any, classifier: Any, suite: dict[str, list[tuple[str, str]]], seeds: int,
-             types: tuple[str, ...] = EA_TYPES + RA_TYPES) -> tuple[dict[str, float], dict[str, int]]:
+             types: tuple[str, ...] = EA_TYPES + RA_TYPES,
+             sampler: dict[str, Any] | None = None) -> tuple[dict[str, float], dict[str, int]]:
     rates, counts = {}, {}
     for kind in types:
         if kind not in suite:
             continue
-        found = judge(pipe, classifier, suite[kind], seeds)
+        found = judge(pipe, classifier, suite[kind], seeds, sampler=sampler)
         hits = sum(found) / max(len(found), 1)
         rates[kind] = 1.0 - hits if kind in EA_TYPES else hits
         counts[kind] = len(found)
@@ -133,7 +135,8 @@ def rates_of(pipe: Any, classifier: Any, suite: dict[str, list[tuple[str, str]]]
 
 def evaluate_method(base: Any, classifier: Any, name: str | None, concept: str, seeds: int,
                     types: tuple[str, ...] = EA_TYPES + RA_TYPES, seed: int = 0,
-                    overrides: dict[str, Any] | None = None, progress: bool = False) -> Row:
+                    overrides: dict[str, Any] | None = None, progress: bool = False,
+                    sampler: dict[str, Any] | None = None) -> Row:
     """Erase ``concept`` from a copy of ``base`` with method ``name`` (``None``: the base model)."""
     suite = prompt_suite(concept)
     pipe = copy.deepcopy(base)
@@ -146,11 +149,11 @@ def evaluate_method(base: Any, classifier: Any, name: str | None, concept: str, 
         method.erase(pipe, [concept], seed=seed, domain=DOMAIN)
         elapsed = time.perf_counter() - t0
         config = method.config()
-    rates, counts = rates_of(pipe, classifier, suite, seeds, types)
+    rates, counts = rates_of(pipe, classifier, suite, seeds, types, sampler)
     return Row(method=name or "base", unlearning_s=elapsed, rates=rates, n=counts, config=config)
 
 
-def markdown(rows: list[Row], concept: str, seeds: int, command: str) -> str:
+def markdown(rows: list[Row], concept: str, seeds: int, command: str, guidance: float) -> str:
     head = ("| method | unlearning (s) | " + " | ".join(f"EA {t}" for t in EA_TYPES) + " | "
             + " | ".join(f"RA {t}" for t in RA_TYPES) + " |")
     sep = "|" + "---|" * (2 + len(EA_TYPES) + len(RA_TYPES))
@@ -167,7 +170,7 @@ def markdown(rows: list[Row], concept: str, seeds: int, command: str) -> str:
 
 Erasing **{concept}** from the tiny world with each method at EMMA-like settings scaled down
 (`scripts/eval_methods_tinyworld.py`, `TINYWORLD_SETTINGS`). Images: the tiny world's sampler
-(PNDM, 20 steps, guidance 5, 32x32), {seeds} seeds per prompt, judged by the tiny-world
+(PNDM, 20 steps, guidance {guidance:g}, 32x32), {seeds} seeds per prompt, judged by the tiny-world
 classifier (top-1 of its shape head with probability >= 0.5). EA = fraction of target-prompt
 images where the {concept} is **not** found; RA = fraction of non-target images where their
 shape **is** found. Prompts are the tiny-world domain's EMMA suite (images per type:
@@ -194,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default=",".join(TINYWORLD_SETTINGS))
     ap.add_argument("--seeds", type=int, default=8, help="images per prompt")
     ap.add_argument("--seed", type=int, default=0, help="seed of the erasure")
+    ap.add_argument("--guidance-scale", type=float, default=SAMPLER["guidance_scale"],
+                    help="guidance of the evaluation images (conf/model/tinyworld.yaml: 5)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "methods_tinyworld.md")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
@@ -207,17 +212,18 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in names if m not in TINYWORLD_SETTINGS]
     if unknown:
         ap.error(f"unknown method(s) {unknown}; valid: {', '.join(TINYWORLD_SETTINGS)}")
-    rows = [evaluate_method(base, classifier, None, args.concept, args.seeds)]
+    sampler = {**SAMPLER, "guidance_scale": args.guidance_scale}
+    rows = [evaluate_method(base, classifier, None, args.concept, args.seeds, sampler=sampler)]
     print(f"base: {rows[0].rates}", flush=True)
     for name in names:
         row = evaluate_method(base, classifier, name, args.concept, args.seeds, seed=args.seed,
-                              progress=True)
+                              progress=True, sampler=sampler)
         print(f"{name}: {row.unlearning_s:.1f}s {row.rates}", flush=True)
         rows.append(row)
     given = argv if argv is not None else sys.argv[1:]
     command = "python scripts/eval_methods_tinyworld.py " + " ".join(given)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, args.concept, args.seeds, command.strip()))
+    args.out.write_text(markdown(rows, args.concept, args.seeds, command.strip(), args.guidance_scale))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2, default=str))
     print(f"wrote {args.out}")

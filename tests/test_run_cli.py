@@ -60,7 +60,7 @@ def test_misspelt_key_fails_at_compose_time(tmp_path):
 
 
 def _cell_args(run_dir, n=2):
-    return [*TINY, f"images_per_prompt={n}", "prompt_types=[name,variant,random]",
+    return [*TINY, f"images_per_prompt={n}", "prompt_types=[name,variant,random]", "metrics=rates_only",
             f"hydra.run.dir={run_dir}"]
 
 
@@ -112,7 +112,7 @@ def test_sigkill_mid_generation_then_resume(tmp_path):
     uninterrupted run and the cache holds no partial or corrupt file."""
     cache = tmp_path / "cache"
     args = [*TINY, "images_per_prompt=12", "prompt_types=[name,variant,short,random]",
-            "model.batch_size=4"]
+            "model.batch_size=4", "metrics=rates_only"]
     proc = subprocess.Popen([sys.executable, "-m", "emma.run", *args, f"hydra.run.dir={tmp_path / 'killed'}"],
                             cwd=ROOT, env=run_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -177,11 +177,6 @@ def encode_text(pipe: Any, prompts: Sequence[str]) -> torch.Tensor:
     return enc(ids.to(enc.device))[0]
 
 
-def tokens_used(tokenizer: Any, text: str) -> int:
-    """Number of non-padding positions (start + words + end) of ``text``."""
-    return len(token_ids(tokenizer, text)) + 2
-
-
 # --------------------------------------------------------------------------- randomness
 def cpu_generator(seed: int) -> torch.Generator:
     """All random draws of the methods come from CPU generators (device-independent)."""
@@ -236,12 +231,12 @@ def fp32_training(module: nn.Module) -> Iterator[nn.Module]:
     was_training = module.training
     try:
         if dtype != torch.float32:
-            module.to(torch.float32)
+            _cast(module, torch.float32)
         module.eval()  # SD has no dropout/batch-norm at train time that matters; keep it exact
         yield module
     except BaseException:
         with torch.no_grad():
-            module.to(dtype)
+            _cast(module, dtype)
             for n, p in module.named_parameters():
                 p.copy_(backup[n])
         raise
@@ -249,7 +244,13 @@ def fp32_training(module: nn.Module) -> Iterator[nn.Module]:
         module.requires_grad_(False)
         module.train(was_training)
         if dtype != torch.float32:
-            module.to(dtype)
+            _cast(module, dtype)
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> None:
+    # nn.Module.to, not diffusers' ModelMixin.to, which warns on every dtype cast; the round
+    # trip restores the dtype the pipeline was loaded with.
+    nn.Module.to(module, dtype)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

@@ -26,6 +26,7 @@ import torch
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
+    STYLE_DOMAINS,
     attn2_modules,
     check_concepts,
     for_concept,
@@ -131,7 +132,7 @@ class UCEMethod(ErasureMethod):
                 raise ConfigError(f"UCE guide for {c!r} must be a string, got {g!r}")
             pairs.append((c, g))
         if self.hparams["add_prompts"]:
-            kind = "style" if domain in ("style", "tinyworld_style") else "object"
+            kind = "style" if domain in STYLE_DOMAINS else "object"
             pairs += [(t.format(c), t.format(g)) for c, g in list(pairs) for t in EXPANSIONS[kind]]
         return pairs
 
