@@ -47,9 +47,9 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict | None:
-    from emma.cell import describe, run_cell
-
     from hydra.errors import InstantiationException
+
+    from emma.cell import describe, run_cell
 
     out = HydraConfig.get().runtime.output_dir
     try:
