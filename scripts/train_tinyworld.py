@@ -196,8 +196,12 @@ def train_unet(args, work: Path):
 
     final = work / "unet_final.pt"
     if final.exists():
-        log("unet: done, skipping")
-        return
+        done = torch.load(final, map_location="cpu", weights_only=False).get("step")
+        if done is None or done >= args.unet_steps:
+            log("unet: done, skipping")
+            return
+        log(f"unet: extending the finished run of {done} steps to {args.unet_steps}")
+        final.unlink()
     pool = torch.load(work / "pool.pt", map_location="cpu", weights_only=False)
     tok = local_clip_tokenizer()
     torch.manual_seed(args.seed + 3)
@@ -262,7 +266,7 @@ def train_unet(args, work: Path):
                          "step": step + 1}, ckpt)
             log(f"unet step {step + 1} loss {loss.item():.4f} "
                 f"({(time.time() - t0) / (step + 1 - start):.2f} s/step)")
-    atomic_save({"ema": ema, "scaling": pool["scaling"]}, final)
+    atomic_save({"ema": ema, "scaling": pool["scaling"], "step": args.unet_steps}, final)
 
 
 # --------------------------------------------------------------------------- export
@@ -274,7 +278,7 @@ def export(args, work: Path, dest: Path):
     vae = load_vae(args, work).cpu()
     if (work / "unet_final.pt").exists():
         final = torch.load(work / "unet_final.pt", map_location="cpu", weights_only=False)
-        final["step"] = args.unet_steps
+        final.setdefault("step", args.unet_steps)
     else:  # export the EMA weights of the latest checkpoint while training goes on
         state = torch.load(work / "unet_ckpt.pt", map_location="cpu", weights_only=False)
         pool = torch.load(work / "pool.pt", map_location="cpu", weights_only=False)
