@@ -182,7 +182,7 @@ class TransformersQwenBackend:
         self.processor = transformers.AutoProcessor.from_pretrained(source)
         self.model = (
             transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                source, torch_dtype=getattr(torch, dtype)
+                source, dtype=getattr(torch, dtype)
             )
             .to(device)
             .eval()

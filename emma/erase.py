@@ -57,7 +57,7 @@ def erase_key(base_fingerprint: str, method: ErasureMethod, concepts: Sequence[s
 
 def _load_component(pipe: Any, name: str, folder: Path) -> None:
     current = getattr(pipe, name)
-    module = type(current).from_pretrained(folder, torch_dtype=current.dtype)
+    module = type(current).from_pretrained(folder, dtype=current.dtype)
     setattr(pipe, name, module.to(current.device))
 
 

@@ -94,7 +94,7 @@ def load_pipeline(cfg: Any) -> Any:
     elif kind == "tinyworld":
         pipe = _from_pretrained(
             "StableDiffusionPipeline", str(_get(cfg, "pretrained") or TINYWORLD_DIR), None, None,
-            torch.float32, local_only=True,
+            dtype, local_only=True,
         )
     elif kind == "diffusers":
         pretrained = _get(cfg, "pretrained")
@@ -110,7 +110,8 @@ def load_pipeline(cfg: Any) -> Any:
     if scheduler:
         pipe.scheduler = make_scheduler(scheduler, pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device=device, dtype=dtype) if kind != "diffusers" else pipe.to(device)
+    # Pretrained pipelines are loaded in their dtype already; only the tiny random one is cast.
+    return pipe.to(device=device, dtype=dtype) if kind == "tiny_random" else pipe.to(device)
 
 
 def make_scheduler(name: str, config: Any) -> Any:
@@ -132,7 +133,7 @@ def _from_pretrained(
         raise UnknownChoiceError("model.pipeline_class", class_name, PIPELINE_CLASSES)
     cls = getattr(diffusers, class_name)
     offline = local_only or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-    kwargs: dict[str, Any] = dict(torch_dtype=dtype, local_files_only=offline)
+    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=offline)
     if revision:
         kwargs["revision"] = revision
     if variant:

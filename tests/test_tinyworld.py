@@ -95,7 +95,7 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
         assert (work / name).exists(), name
     training = json.loads((out / "training.json").read_text())
     assert training["unet_steps_trained"] == 4
-    pipe = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, torch_dtype=torch.float32)
+    pipe = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, dtype=torch.float32)
     assert pipe.unet.config.sample_size == 8 and pipe.vae.config.latent_channels == 8
     assert pipe.text_encoder.config.num_hidden_layers == 3
     img = pipe("an image of a red star", num_inference_steps=2, guidance_scale=5.0, height=32, width=32,
