@@ -226,7 +226,7 @@ def test_erase_save_load_gives_bit_identical_images(base, pipe, tmp_path, name):
     small(name).erase(pipe, ["circle"], seed=0, domain=DOMAIN)
     pipe.unet.save_pretrained(tmp_path / "unet", safe_serialization=True)
     loaded = copy.deepcopy(base)
-    loaded.unet = UNet2DConditionModel.from_pretrained(tmp_path / "unet", torch_dtype=base.unet.dtype)
+    loaded.unet = UNet2DConditionModel.from_pretrained(tmp_path / "unet", dtype=base.unet.dtype)
     assert fingerprint(loaded) == fingerprint(pipe) != fingerprint(base)
     assert torch.equal(images(loaded), images(pipe))
     # method=checkpoint on the saved folder: the same weights, the same images
@@ -284,6 +284,8 @@ def test_concept_positions_cover_the_concept_and_the_padding(base):
     n = len(tok("an image of a circle", add_special_tokens=False).input_ids)
     assert pos[n] and not pos[:n].any() and pos[n + 1 :].all()
     assert concept_positions(tok, "an image of a circle", "circle", use_pooler=False).sum() == 1
+    first = concept_positions(tok, "an image of a circle", "circle", use_pooler=True, pooler="first")
+    assert first.nonzero().flatten().tolist() == [n, n + 1]  # the concept and the end token
 
 
 def test_mace_auto_segmenter_falls_back_to_attention_offline():

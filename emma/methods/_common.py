@@ -144,12 +144,15 @@ def token_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def concept_positions(tokenizer: Any, prompt: str, concept: str, *, use_pooler: bool) -> torch.Tensor:
+def concept_positions(tokenizer: Any, prompt: str, concept: str, *, use_pooler: bool,
+                      pooler: str = "all") -> torch.Tensor:
     """Bool mask (model_max_length,) over the padded prompt's tokens that spell ``concept``.
 
-    With ``use_pooler`` the end-of-text tokens are included too: with the SD v1.x tokenizer,
-    whose padding token *is* end-of-text, that is every position after the prompt (as in the
-    FMN and MACE repositories).
+    With ``use_pooler`` the end-of-text tokens are included too. ``pooler="all"`` takes every
+    token equal to end-of-text: with the SD v1.x tokenizer, whose padding token *is*
+    end-of-text, that is every position after the prompt (what the MACE repository does on
+    SD v1.4). ``pooler="first"`` takes only the end token itself, the pooled token (what FMN
+    does on SD 2.1, whose tokenizer pads with "!").
     """
     n = int(tokenizer.model_max_length)
     ids = list(tokenizer(prompt, padding="max_length", max_length=n, truncation=True).input_ids)
@@ -160,7 +163,12 @@ def concept_positions(tokenizer: Any, prompt: str, concept: str, *, use_pooler: 
             pos[i : i + len(cids)] = True
     if use_pooler:
         eos = tokenizer.eos_token_id
-        pos |= torch.tensor([t == eos for t in ids])
+        ends = torch.tensor([t == eos for t in ids])
+        if pooler == "first" and ends.any():
+            ends = torch.zeros_like(ends).index_fill_(0, ends.nonzero()[0], True)
+        elif pooler not in ("first", "all"):
+            raise ConfigError(f"pooler must be 'first' or 'all', got {pooler!r}")
+        pos |= ends
     if not pos.any():
         raise ConfigError(f"concept {concept!r} does not occur in prompt {prompt!r} token by token")
     return pos

@@ -60,7 +60,7 @@ class ForgetMeNotMethod(ErasureMethod):
     """
 
     name = "fmn"
-    version = "1"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
@@ -113,7 +113,10 @@ class ForgetMeNotMethod(ErasureMethod):
                                    guidance_scale=hp["sample_guidance"], progress=self.progress,
                                    desc="FMN images")
         emb = encode_text(pipe, prompts)
-        positions = torch.stack([concept_positions(pipe.tokenizer, p, c, use_pooler=hp["use_pooler"])
+        # The pooled end token only: FMN's repository (SD 2.1) pads with "!", so its pooler
+        # mask never covered padding; with SD v1.x's end-token padding we keep that meaning.
+        positions = torch.stack([concept_positions(pipe.tokenizer, p, c, use_pooler=hp["use_pooler"],
+                                                   pooler="first")
                                  for p, c in zip(prompts, concepts, strict=True)])
 
         unet = pipe.unet
