@@ -88,6 +88,8 @@ Judge accuracy on held-out renders ({clf_n} scenes): shape {acc_shape:.4f}, colo
 style {acc_style:.4f}; on their VAE reconstructions: shape {rec_shape:.4f}, colour {rec_colour:.4f},
 style {rec_style:.4f}.
 
+{status}
+
 ## Samples
 
 One row per shape, prompt "an image of a <shape>", seeds 0-7:
@@ -100,6 +102,25 @@ A toy: 32x32 pixels, 8 shapes, 6 colours, 4 styles, no people, a text encoder th
 words of its captions. It exists to make the harness's numbers mean something offline; it says
 nothing about how a method behaves on Stable Diffusion.
 """
+
+
+# The harness's quality targets for the tiny world's base model.
+TARGETS = {"name": 0.90, "variant": 0.70, "short": 0.70, "long": 0.70, "style": 0.80, "judge": 0.98}
+
+
+def status(q, acc: dict) -> str:
+    """The card's verdict: every target, and each measured rate that misses one."""
+    misses = [f"{c} {k} {r[k]:.2f} (target {TARGETS[k]:.2f})"
+              for c, r in q.shapes.items() for k in ("name", "variant", "short", "long") if r[k] < TARGETS[k]]
+    misses += [f"style {c} {r:.2f} (target {TARGETS['style']:.2f})" for c, r in q.styles.items()
+               if r < TARGETS["style"]]
+    misses += [f"judge {h} accuracy {acc['renders'][h]:.4f} (target {TARGETS['judge']:.2f})"
+               for h in ("shape", "colour", "style") if acc["renders"][h] < TARGETS["judge"]]
+    head = ("Targets: >= {name:.2f} on name prompts for every shape, >= {variant:.2f} on variant and "
+            "description prompts, >= {style:.2f} on styles, judge >= {judge:.2f} on renders.").format(**TARGETS)
+    if not misses:
+        return f"**Status: every target met.** {head}"
+    return f"**Status: below target in {len(misses)} of the measured rates:** " + "; ".join(misses) + f". {head}"
 
 
 def main(argv=None) -> None:
@@ -139,6 +160,7 @@ def main(argv=None) -> None:
         clf_n=acc["n"], acc_shape=acc["renders"]["shape"], acc_colour=acc["renders"]["colour"],
         acc_style=acc["renders"]["style"], rec_shape=acc["vae_reconstructions"]["shape"],
         rec_colour=acc["vae_reconstructions"]["colour"], rec_style=acc["vae_reconstructions"]["style"],
+        status=status(q, acc),
     )
     (assets / "README.md").write_text(card)
     print(json.dumps(q.to_json(), indent=1))

@@ -52,6 +52,23 @@ def batch_images(seed: int, step: int, n: int) -> tuple[list, torch.Tensor]:
     return specs, torch.from_numpy(render_batch(specs))
 
 
+# --------------------------------------------------------------------------- init from export
+def take_export(args, work: Path):
+    """With ``--init-from``: take the export's VAE, judge and latent scaling as finished stages."""
+    from safetensors.torch import load_file
+
+    folder = Path(args.init_from)
+    meta = json.loads((folder / "training.json").read_text())
+    if not (work / "vae.pt").exists():
+        vae = load_file(str(folder / "pipeline" / "vae" / "diffusion_pytorch_model.safetensors"))
+        atomic_save({k: v.float() for k, v in vae.items()}, work / "vae.pt")
+    if not (work / "classifier.pt").exists():
+        clf = load_file(str(folder / "classifier.safetensors"))
+        atomic_save({"state_dict": dict(clf), "accuracy": meta["classifier_accuracy"]}, work / "classifier.pt")
+    config = json.loads((folder / "pipeline" / "vae" / "config.json").read_text())
+    return float(config["scaling_factor"])
+
+
 # --------------------------------------------------------------------------- VAE
 def train_vae(args, work: Path):
     from diffusers import AutoencoderKL
@@ -184,7 +201,8 @@ def build_pool(args, work: Path):
         means.append(post.mean.cpu())
         stds.append(post.std.cpu())
     mean, std = torch.cat(means), torch.cat(stds)
-    scaling = float(1.0 / mean.std())
+    # an initialising export keeps the scaling its UNet was trained with
+    scaling = take_export(args, work) if args.init_from else float(1.0 / mean.std())
     log(f"pool: {len(specs)} latents, scaling factor {scaling:.4f}")
     atomic_save({"specs": specs, "mean": mean, "std": std, "scaling": scaling}, out)
 
@@ -215,8 +233,17 @@ def train_unet(args, work: Path):
     sched = DDPMScheduler(**{k: v for k, v in arch.SCHEDULER_CONFIG.items()
                              if k in ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")})
     gen = torch.Generator().manual_seed(args.seed + 4)
-    start = 0
+    start = warm = 0
     ckpt = work / "unet_ckpt.pt"
+    if not ckpt.exists() and args.init_from:
+        # Continue from an exported tiny world (its EMA weights, a fresh optimizer): for
+        # extending a model whose checkpoints are gone. The step count carries on from the
+        # export's, so the captions are those a single longer run draws at these steps.
+        start = init_from_export(Path(args.init_from), unet, te)
+        ema = {"unet": copy.deepcopy(unet.state_dict()), "te": copy.deepcopy(te.state_dict())}
+        gen.manual_seed(args.seed + 4 + start)
+        warm = start
+        log(f"unet: initialised from {args.init_from} at step {start}")
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         unet.load_state_dict(state["unet"])
@@ -225,12 +252,13 @@ def train_unet(args, work: Path):
         ema = state["ema"]
         gen.set_state(state["gen"])
         start = state["step"]
+        warm = state.get("warm_start", 0)
         log(f"unet: resumed at step {start}")
     n_pool = len(pool["specs"])
     t0 = time.time()
     for step in tqdm(range(start, args.unet_steps), desc="unet", initial=start,
                      total=args.unet_steps, mininterval=30):
-        lr = args.unet_lr * min(1.0, (step + 1) / 200)
+        lr = args.unet_lr * min(1.0, (step + 1 - warm) / 200)
         for g in opt.param_groups:
             g["lr"] = lr
         rng = np.random.default_rng([args.seed, 44, step])
@@ -263,10 +291,25 @@ def train_unet(args, work: Path):
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.unet_steps:
             atomic_save({"unet": unet.state_dict(), "te": te.state_dict(),
                          "opt": opt.state_dict(), "ema": ema, "gen": gen.get_state(),
-                         "step": step + 1}, ckpt)
+                         "step": step + 1, "warm_start": warm}, ckpt)
             log(f"unet step {step + 1} loss {loss.item():.4f} "
                 f"({(time.time() - t0) / (step + 1 - start):.2f} s/step)")
     atomic_save({"ema": ema, "scaling": pool["scaling"], "step": args.unet_steps}, final)
+
+
+def init_from_export(folder: Path, unet, te) -> int:
+    """Load an exported pipeline's UNet and text encoder into ``unet`` / ``te``; its step count."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / "training.json").read_text())
+    for model, sub, fname in ((unet, "unet", "diffusion_pytorch_model.safetensors"),
+                              (te, "text_encoder", "model.safetensors")):
+        state = {k: v.float() for k, v in load_file(str(folder / "pipeline" / sub / fname)).items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if "position_ids" not in k]:
+            raise SystemExit(f"--init-from {folder}: {sub} does not match the tiny-world architecture "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return int(meta["unet_steps_trained"])
 
 
 # --------------------------------------------------------------------------- export
@@ -325,12 +368,14 @@ def main(argv=None):
     p.add_argument("--clf-steps", type=int, default=500)
     p.add_argument("--clf-batch", type=int, default=128)
     p.add_argument("--pool-size", type=int, default=40000)
-    p.add_argument("--unet-steps", type=int, default=4000)
+    p.add_argument("--unet-steps", type=int, default=8000)
     p.add_argument("--unet-batch", type=int, default=48)
     p.add_argument("--unet-lr", type=float, default=8e-4)
     p.add_argument("--cond-drop", type=float, default=0.1)
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--init-from", default=None,
+                   help="an exported tiny world to continue the UNet stage from when no checkpoint exists")
     p.add_argument("--stages", default="vae,classifier,pool,unet",
                    help="comma-separated stages to run, in order (finished stages are skipped)")
     args = p.parse_args(argv)
@@ -338,6 +383,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    if args.init_from:
+        take_export(args, work)
     t0 = time.time()
     stages = {"vae": train_vae, "classifier": train_classifier, "pool": build_pool, "unet": train_unet}
     for name in filter(None, args.stages.split(",")):

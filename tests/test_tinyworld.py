@@ -128,13 +128,14 @@ def test_shipped_model_draws_what_it_is_asked_for(tmp_path):
     from emma.tinyworld.quality import evaluate_world, make_target
 
     target = make_target(ASSETS / "pipeline", TinyWorldClassifier(), tmp_path)
-    q = evaluate_world(target, shapes=["circle", "crescent", "diamond"], styles=["plain", "checkered"],
-                       n_name=8, n_other=2, seed=77)
-    # the model card measures 0.80 / 0.60 / 0.60 on name prompts (40 images each) and 1.0 on
-    # these two styles; the floors leave room for the small sample
-    assert np.mean([r["name"] for r in q.shapes.values()]) >= 0.4, q.shapes
+    q = evaluate_world(target, n_name=4, n_other=1, seed=77)
+    # the model card measures 0.72-1.00 per shape on name prompts (40 images each), 0.80-1.00
+    # on variant / short / long prompts and 0.97-1.00 on styles; the floors leave room for
+    # the small sample (4 images per name prompt, 1 per other prompt)
+    assert np.mean([r["name"] for r in q.shapes.values()]) >= 0.75, q.shapes
     for kind in ("variant", "short", "long"):
-        assert np.mean([r[kind] for r in q.shapes.values()]) >= 0.3, (kind, q.shapes)
+        assert np.mean([r[kind] for r in q.shapes.values()]) >= 0.65, (kind, q.shapes)
+    assert min(r["name"] for r in q.shapes.values()) >= 0.25, q.shapes
     assert np.mean(list(q.styles.values())) >= 0.75, q.styles
 
 
@@ -155,7 +156,8 @@ def test_default_cell_measures_the_base_model(tmp_path, monkeypatch):
     res = run_cell(cfg, tmp_path / "run")
     assert res.cell.model == "tinyworld" and res.cell.classifier == "tinyworld"
     assert res.metrics["ea/name"].n == 8 and res.metrics["ra/random"].n == 40
-    # model card: the judge finds "circle" in 80% of name-prompt images -> EA about 0.2
-    assert res.metrics["ea/name"].value <= 0.5
-    assert res.metrics["ra/random"].value >= 0.15
+    # model card: the judge finds "circle" in 95% of name-prompt images (EA about 0.05) and
+    # the other shapes in 72-100% of theirs
+    assert res.metrics["ea/name"].value <= 0.3
+    assert res.metrics["ra/random"].value >= 0.6
     assert not res.notes  # real weights: no plumbing-only note
