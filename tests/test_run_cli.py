@@ -162,3 +162,36 @@ def test_missing_classifier_weights_print_the_download_message(tmp_path):
     assert proc.stderr.startswith("error: ")
     assert "python -m emma.weights fetch" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _cache_files(cache: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()}
+
+
+def test_incompatible_checkpoint_is_a_clear_error_and_the_cache_survives(tmp_path):
+    """A finished erased cell, then a cell with a checkpoint of the wrong shape: exit 2 with
+    the offending key and both shapes, and every cached file (erased model, images, scores)
+    is still there, byte for byte, with no temporary file left behind."""
+    from diffusers import UNet2DConditionModel
+
+    from emma.tinyworld import arch
+
+    cache = tmp_path / "cache"
+    args = [*TINY, "images_per_prompt=1", "prompt_types=[name]", "metrics=rates_only"]
+    first = emma_run([*args, "method=uce", f"hydra.run.dir={tmp_path / 'a'}"], cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert list((cache / "erased").iterdir())  # the erased UNet is cached
+    before = _cache_files(cache)
+
+    other = UNet2DConditionModel(**{**arch.TINY_RANDOM_UNET, "cross_attention_dim": 16})
+    other.save_pretrained(tmp_path / "bad_unet")
+    bad = emma_run([*args, "method=checkpoint", f"method.path={tmp_path / 'bad_unet'}",
+                    f"hydra.run.dir={tmp_path / 'b'}"], cache)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert bad.stderr.startswith("error: ")
+    assert "attn2.to_k.weight: checkpoint (8, 16)" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert not (tmp_path / "b" / "results.json").exists()
+    after = _cache_files(cache)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert not [k for k in after if k.endswith(".tmp") or ".tmp" in Path(k).parts[0]]
