@@ -164,7 +164,7 @@ def test_missing_classifier_weights_print_the_download_message(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def _cache_files(cache: Path) -> dict[str, bytes]:
+def _cache_bytes(cache: Path) -> dict[str, bytes]:
     return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()}
 
 
@@ -181,7 +181,7 @@ def test_incompatible_checkpoint_is_a_clear_error_and_the_cache_survives(tmp_pat
     first = emma_run([*args, "method=uce", f"hydra.run.dir={tmp_path / 'a'}"], cache)
     assert first.returncode == 0, first.stderr[-3000:]
     assert list((cache / "erased").iterdir())  # the erased UNet is cached
-    before = _cache_files(cache)
+    before = _cache_bytes(cache)
 
     other = UNet2DConditionModel(**{**arch.TINY_RANDOM_UNET, "cross_attention_dim": 16})
     other.save_pretrained(tmp_path / "bad_unet")
@@ -192,6 +192,6 @@ def test_incompatible_checkpoint_is_a_clear_error_and_the_cache_survives(tmp_pat
     assert "attn2.to_k.weight: checkpoint (8, 16)" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert not (tmp_path / "b" / "results.json").exists()
-    after = _cache_files(cache)
+    after = _cache_bytes(cache)
     assert {k: v for k, v in after.items() if k in before} == before
     assert not [k for k in after if k.endswith(".tmp") or ".tmp" in Path(k).parts[0]]
