@@ -332,6 +332,10 @@ def export(args, work: Path, dest: Path):
     unet.load_state_dict(final["ema"]["unet"])
     te = CLIPTextModel(CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG))
     te.load_state_dict(final["ema"]["te"])
+    # fp16 on disk; cast with torch's own .to (diffusers' warns about fp32-kept modules, of
+    # which these configs have none)
+    for module in (vae, unet, te):
+        torch.nn.Module.to(module, dtype=torch.float16)
     pipe = StableDiffusionPipeline(
         vae=vae, text_encoder=te, tokenizer=local_clip_tokenizer(), unet=unet,
         scheduler=PNDMScheduler(**arch.SCHEDULER_CONFIG), safety_checker=None,
@@ -339,7 +343,7 @@ def export(args, work: Path, dest: Path):
     )
     dest.mkdir(parents=True, exist_ok=True)
     tmp = dest / "pipeline.tmp"
-    pipe.to(torch.float16).save_pretrained(tmp, safe_serialization=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
     if (dest / "pipeline").exists():
         import shutil
 
