@@ -259,6 +259,8 @@ def train_unet(args, work: Path):
     for step in tqdm(range(start, args.unet_steps), desc="unet", initial=start,
                      total=args.unet_steps, mininterval=30):
         lr = args.unet_lr * min(1.0, (step + 1 - warm) / 200)
+        if args.unet_decay_steps:  # linear decay to zero over the last --unet-decay-steps steps
+            lr *= min(1.0, (args.unet_steps - step) / args.unet_decay_steps)
         for g in opt.param_groups:
             g["lr"] = lr
         rng = np.random.default_rng([args.seed, 44, step])
@@ -375,6 +377,8 @@ def main(argv=None):
     p.add_argument("--unet-steps", type=int, default=8000)
     p.add_argument("--unet-batch", type=int, default=48)
     p.add_argument("--unet-lr", type=float, default=8e-4)
+    p.add_argument("--unet-decay-steps", type=int, default=0,
+                   help="decay the UNet learning rate linearly to zero over the last N steps (0: constant)")
     p.add_argument("--cond-drop", type=float, default=0.1)
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--ckpt-every", type=int, default=100)
