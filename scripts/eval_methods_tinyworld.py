@@ -3,8 +3,8 @@
 Each method runs at EMMA-like settings scaled down to the tiny world (``TINYWORLD_SETTINGS``:
 the papers' algorithms and objectives, with step counts, learning rates and image counts sized
 for a 3-layer text encoder and an 8x8x8 latent UNet on a CPU). Images are drawn with the
-tiny world's sampler settings (PNDM, 20 steps, guidance 5) and judged by the tiny-world
-classifier; EA is the fraction of target-prompt images where the shape is *not* found, RA the
+tiny world's sampler settings (PNDM, 20 steps, guidance 5; ``SAMPLER``) and judged by the
+tiny-world classifier; EA is the fraction of target-prompt images where the shape is *not* found, RA the
 fraction of non-target images where their shape *is* found (EMMA's definitions).
 
     python scripts/eval_methods_tinyworld.py                       # all methods, writes docs/
@@ -39,26 +39,27 @@ from emma.methods.uce import UCEMethod  # noqa: E402
 
 EA_TYPES = ("name", "prefix", "variant", "short", "long")
 RA_TYPES = ("random", "similar")
+# The tiny world's sampler settings (conf/model/tinyworld.yaml).
 SAMPLER = dict(num_inference_steps=20, guidance_scale=5.0, height=32, width=32)
 DOMAIN = "tinyworld"
 
 # Scaled-down settings: the methods' own samplers take the tiny world's 20 steps; everything
 # not listed (guidance scales of those samplers included) keeps the paper default.
+SHAPES_BUT = ["square", "triangle", "star", "heart", "cross", "crescent", "diamond"]  # all but circle
 TINYWORLD_SETTINGS: dict[str, tuple[type, dict[str, Any]]] = {
-    "esd-x": (ESDMethod, dict(train_method="esd-x", iterations=200, learning_rate=1e-4, ddim_steps=20,
-                              start_guidance=5.0)),
-    "esd-u": (ESDMethod, dict(train_method="esd-u", iterations=200, learning_rate=1e-4, ddim_steps=20,
-                              start_guidance=5.0)),
-    "uce": (UCEMethod, dict(guide_concepts={DOMAIN: "shape"})),
-    "mace": (MACEMethod, dict(mapping_concepts={DOMAIN: "background"}, learning_rate=1e-3, max_train_steps=50,
+    "esd-x": (ESDMethod, dict(train_method="esd-x", iterations=200, learning_rate=3e-4, ddim_steps=10)),
+    "esd-u": (ESDMethod, dict(train_method="esd-u", iterations=800, learning_rate=1.5e-4, ddim_steps=10)),
+    # UCE preserves the domain's other concepts, as its reference code does for artists.
+    "uce": (UCEMethod, dict(guide_concepts={DOMAIN: "shape"}, preserve_concepts={DOMAIN: SHAPES_BUT})),
+    "mace": (MACEMethod, dict(mapping_concepts={DOMAIN: "background"}, learning_rate=3e-3, max_train_steps=50,
                               num_images=8, sample_steps=20, segmenter="attention")),
     "ca": (ConceptAblationMethod, dict(anchor_concepts={DOMAIN: "shape"}, num_class_images=64,
-                                       train_batch_size=8, learning_rate=1e-4, max_train_steps=100,
+                                       train_batch_size=8, learning_rate=1e-3, max_train_steps=200,
                                        sample_steps=20)),
     "ca-model": (ConceptAblationMethod, dict(loss="model", anchor_concepts={DOMAIN: "shape"},
-                                             num_class_images=64, train_batch_size=8, learning_rate=1e-4,
-                                             max_train_steps=100, sample_steps=20)),
-    "fmn": (ForgetMeNotMethod, dict(prompt_templates={DOMAIN: "an image of a {}"}, learning_rate=1e-4,
+                                             num_class_images=64, train_batch_size=8, learning_rate=5e-5,
+                                             max_train_steps=100, sample_steps=20, prior_preservation=True)),
+    "fmn": (ForgetMeNotMethod, dict(prompt_templates={DOMAIN: "an image of a {}"}, learning_rate=1e-3,
                                     max_train_steps=35, num_images=8, sample_steps=20)),
 }
 
@@ -110,6 +111,12 @@ def judge(pipe: Any, classifier: Any, prompts: list[tuple[str, str]], seeds: int
     return found
 
 
+def grid_prompts(concept: str) -> list[str]:
+    """The sample grid's columns: the erased concept's name prompt x 4, two other shapes x 2."""
+    others = [c for c in ("crescent", "square", "triangle") if c != concept][:2]
+    return [f"an image of a {c}" for c in [concept] * 4 + [others[0]] * 2 + [others[1]] * 2]
+
+
 @dataclass
 class Row:
     method: str
@@ -117,6 +124,34 @@ class Row:
     rates: dict[str, float]
     n: dict[str, int]
     config: dict[str, Any] = field(default_factory=dict)
+    samples: Any = None  # (3, 32, 256) float tensor: one grid row (grid_prompts)
+
+
+@torch.no_grad()
+def sample_row(pipe: Any, concept: str, sampler: dict[str, Any] | None = None) -> torch.Tensor:
+    """One grid row: grid_prompts(concept) (seeds 0, 1, ...) side by side."""
+    prompts = grid_prompts(concept)
+    gens = [torch.Generator("cpu").manual_seed(i) for i in range(len(prompts))]
+    images = pipe(prompts, generator=gens, output_type="pt", **(sampler or SAMPLER)).images
+    return torch.cat(list(images.float().cpu()), dim=2)
+
+
+def save_grid(rows: list[Row], path: Path, scale: int = 3) -> None:
+    """The rows' samples stacked (one row per method, labelled on the left) as a PNG."""
+    from PIL import Image, ImageDraw
+
+    strips = [r.samples for r in rows if r.samples is not None]
+    grid = (torch.cat(strips, dim=1).permute(1, 2, 0).numpy() * 255).round().clip(0, 255).astype("uint8")
+    img = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
+    label_w = 80
+    canvas = Image.new("RGB", (img.width + label_w, img.height), "white")
+    canvas.paste(img, (label_w, 0))
+    draw = ImageDraw.Draw(canvas)
+    for i, r in enumerate(r for r in rows if r.samples is not None):
+        draw.text((6, i * 32 * scale + 32 * scale // 2 - 6), r.method, fill="black")
+    tmp = path.with_suffix(".tmp.png")
+    canvas.save(tmp)
+    os.replace(tmp, path)
 
 
 def rates_of(pipe: Any, classifier: Any, suite: dict[str, list[tuple[str, str]]], seeds: int,
@@ -136,7 +171,7 @@ def rates_of(pipe: Any, classifier: Any, suite: dict[str, list[tuple[str, str]]]
 def evaluate_method(base: Any, classifier: Any, name: str | None, concept: str, seeds: int,
                     types: tuple[str, ...] = EA_TYPES + RA_TYPES, seed: int = 0,
                     overrides: dict[str, Any] | None = None, progress: bool = False,
-                    sampler: dict[str, Any] | None = None) -> Row:
+                    sampler: dict[str, Any] | None = None, samples: bool = False) -> Row:
     """Erase ``concept`` from a copy of ``base`` with method ``name`` (``None``: the base model)."""
     suite = prompt_suite(concept)
     pipe = copy.deepcopy(base)
@@ -150,10 +185,13 @@ def evaluate_method(base: Any, classifier: Any, name: str | None, concept: str, 
         elapsed = time.perf_counter() - t0
         config = method.config()
     rates, counts = rates_of(pipe, classifier, suite, seeds, types, sampler)
-    return Row(method=name or "base", unlearning_s=elapsed, rates=rates, n=counts, config=config)
+    strip = sample_row(pipe, concept, sampler) if samples else None
+    return Row(method=name or "base", unlearning_s=elapsed, rates=rates, n=counts, config=config,
+               samples=strip)
 
 
-def markdown(rows: list[Row], concept: str, seeds: int, command: str, guidance: float) -> str:
+def markdown(rows: list[Row], concept: str, seeds: int, command: str, guidance: float,
+             grid_name: str = "methods_tinyworld.png") -> str:
     head = ("| method | unlearning (s) | " + " | ".join(f"EA {t}" for t in EA_TYPES) + " | "
             + " | ".join(f"RA {t}" for t in RA_TYPES) + " |")
     sep = "|" + "---|" * (2 + len(EA_TYPES) + len(RA_TYPES))
@@ -179,6 +217,11 @@ shape **is** found. Prompts are the tiny-world domain's EMMA suite (images per t
 
 {chr(10).join(lines)}
 
+Samples (one row per method; columns: {", ".join(f'"{p}"' for p in dict.fromkeys(grid_prompts(concept)))},
+as 4, 2 and 2 images; seeds 0-7):
+
+![samples]({grid_name})
+
 Settings (constructor arguments, including the unchanged paper defaults):
 
 {settings}
@@ -195,10 +238,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--classifier", type=Path, default=classifier_default)
     ap.add_argument("--concept", default="circle")
     ap.add_argument("--methods", default=",".join(TINYWORLD_SETTINGS))
-    ap.add_argument("--seeds", type=int, default=8, help="images per prompt")
+    ap.add_argument("--seeds", type=int, default=16, help="images per prompt")
     ap.add_argument("--seed", type=int, default=0, help="seed of the erasure")
     ap.add_argument("--guidance-scale", type=float, default=SAMPLER["guidance_scale"],
-                    help="guidance of the evaluation images (conf/model/tinyworld.yaml: 5)")
+                    help="guidance of the evaluation images (default: conf/model/tinyworld.yaml's)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "methods_tinyworld.md")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
@@ -213,19 +256,23 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown method(s) {unknown}; valid: {', '.join(TINYWORLD_SETTINGS)}")
     sampler = {**SAMPLER, "guidance_scale": args.guidance_scale}
-    rows = [evaluate_method(base, classifier, None, args.concept, args.seeds, sampler=sampler)]
+    rows = [evaluate_method(base, classifier, None, args.concept, args.seeds, sampler=sampler, samples=True)]
     print(f"base: {rows[0].rates}", flush=True)
     for name in names:
         row = evaluate_method(base, classifier, name, args.concept, args.seeds, seed=args.seed,
-                              progress=True, sampler=sampler)
+                              progress=True, sampler=sampler, samples=True)
         print(f"{name}: {row.unlearning_s:.1f}s {row.rates}", flush=True)
         rows.append(row)
     given = argv if argv is not None else sys.argv[1:]
     command = "python scripts/eval_methods_tinyworld.py " + " ".join(given)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, args.concept, args.seeds, command.strip(), args.guidance_scale))
+    grid = args.out.with_suffix(".png")
+    save_grid(rows, grid)
+    args.out.write_text(markdown(rows, args.concept, args.seeds, command.strip(), args.guidance_scale,
+                                 grid_name=grid.name))
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2, default=str))
+        args.json.write_text(json.dumps([{k: v for k, v in r.__dict__.items() if k != "samples"} for r in rows],
+                                        indent=2, default=str))
     print(f"wrote {args.out}")
 
 
