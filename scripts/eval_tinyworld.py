@@ -24,7 +24,7 @@ from PIL import Image  # noqa: E402
 
 from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
 from emma.domains.tinyworld import tinyworld_domain  # noqa: E402
-from emma.tinyworld.quality import evaluate_world, make_target, sample_grid  # noqa: E402
+from emma.tinyworld.quality import evaluate_world, make_target, name_rates, sample_grid  # noqa: E402
 
 CARD = """# Tiny world: a miniature Stable-Diffusion-compatible text-to-image model
 
@@ -70,7 +70,7 @@ Trained on 2 CPU cores; wall time: {wall_time}.
 
 ## What it scores
 
-Measured by `python scripts/eval_tinyworld.py` ({n_images} images, 20 PNDM steps, guidance 5,
+Measured by `python scripts/eval_tinyworld.py` ({n_images} images, 20 PNDM steps, guidance {guidance:g},
 seeds from {seed}): the fraction of images in which the judge finds the concept the prompt asks
 for. Prompts are the tiny-world domain's own EMMA-form suite (name: "an image of a circle";
 variant: "an image of a disc"; short / long: descriptions without the name); styles: "a star in
@@ -89,6 +89,13 @@ style {acc_style:.4f}; on their VAE reconstructions: shape {rec_shape:.4f}, colo
 style {rec_style:.4f}.
 
 {status}
+
+## Guidance
+
+Name prompts only ({sweep_n} images per shape, the same seeds) at other guidance scales; the
+harness samples the tiny world at {guidance:g} (`conf/model/tinyworld.yaml`).
+
+{sweep_table}
 
 ## Samples
 
@@ -123,12 +130,25 @@ def status(q, acc: dict) -> str:
     return f"**Status: below target in {len(misses)} of the measured rates:** " + "; ".join(misses) + f". {head}"
 
 
+def sweep_table(sweep: dict[float, dict[str, float]]) -> str:
+    """Markdown: one row per guidance scale, one column per shape, and their mean."""
+    shapes = list(next(iter(sweep.values())))
+    lines = ["| guidance | " + " | ".join(shapes) + " | mean |", "|" + "---|" * (len(shapes) + 2)]
+    for g, rates in sweep.items():
+        mean = sum(rates.values()) / len(rates)
+        lines.append(f"| {g:g} | " + " | ".join(f"{rates[c]:.2f}" for c in shapes) + f" | {mean:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--assets", default=str(ROOT / "emma" / "tinyworld" / "assets"))
     p.add_argument("--n-name", type=int, default=40)
     p.add_argument("--n-other", type=int, default=10)
     p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--guidance", type=float, default=5.0, help="guidance of the measured images")
+    p.add_argument("--guidance-sweep", default="2,3,4,5,7.5",
+                   help="comma-separated guidance scales for the card's name-prompt sweep ('' to skip)")
     p.add_argument("--wall-time", default="see training.json")
     p.add_argument("--command", default="python scripts/train_tinyworld.py --export emma/tinyworld/assets")
     args = p.parse_args(argv)
@@ -136,14 +156,21 @@ def main(argv=None) -> None:
     clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as cache:
-        target = make_target(assets / "pipeline", clf, cache)
+        target = make_target(assets / "pipeline", clf, cache, guidance=args.guidance)
         q = evaluate_world(target, n_name=args.n_name, n_other=args.n_other, seed=args.seed, progress=True)
+        sweep = {}
+        for g in [float(x) for x in args.guidance_sweep.split(",") if x.strip()]:
+            print(f"guidance {g:g}: name prompts")
+            sweep[g] = name_rates(make_target(assets / "pipeline", clf, cache, guidance=g),
+                                  n=args.n_name, seed=args.seed)
         dom = tinyworld_domain()
         prompts = [r.prompt for c in dom.concepts for r in dom.requests(c, types=["name"])]
         Image.fromarray(sample_grid(target, list(dom.concepts), prompts)).save(assets / "samples.png")
         pipe = target.pipe
     print(f"evaluated in {time.time() - t0:.0f} s")
-    (assets / "quality.json").write_text(json.dumps(q.to_json(), indent=2))
+    quality = {**q.to_json(), "guidance": args.guidance,
+               "guidance_sweep": {f"{g:g}": rates for g, rates in sweep.items()}}
+    (assets / "quality.json").write_text(json.dumps(quality, indent=2))
     training = json.loads((assets / "training.json").read_text())
     targs, acc = training["args"], training["classifier_accuracy"]
     count = lambda m: sum(x.numel() for x in m.parameters()) / 1e6  # noqa: E731
@@ -160,7 +187,8 @@ def main(argv=None) -> None:
         clf_n=acc["n"], acc_shape=acc["renders"]["shape"], acc_colour=acc["renders"]["colour"],
         acc_style=acc["renders"]["style"], rec_shape=acc["vae_reconstructions"]["shape"],
         rec_colour=acc["vae_reconstructions"]["colour"], rec_style=acc["vae_reconstructions"]["style"],
-        status=status(q, acc),
+        status=status(q, acc), guidance=args.guidance, sweep_n=args.n_name,
+        sweep_table=sweep_table(sweep) if sweep else "(not measured)",
     )
     (assets / "README.md").write_text(card)
     print(json.dumps(q.to_json(), indent=1))

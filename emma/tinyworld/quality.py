@@ -96,6 +96,19 @@ def evaluate_world(
     return WorldQuality(shapes=shape_rates, styles=style_rates, n_images=counts)
 
 
+def name_rates(target: GenerationTarget, *, shapes: Sequence[str] | None = None, n: int = 40,
+               seed: int = 1000) -> dict[str, float]:
+    """Per shape, the fraction of ``n`` images of its name prompt in which the judge finds it."""
+    dom = tinyworld_domain()
+    shapes = list(shapes or dom.concepts)
+    requests = [r for c in shapes for r in dom.requests(c, seed=seed, images_per_prompt=n, types=["name"])]
+    per_request = judge_requests(target, requests)
+    by: dict[str, list] = {}
+    for req, samples in zip(requests, per_request):
+        by.setdefault(req.concept, []).extend(samples)
+    return {c: _rate(by.get(c, [])) for c in shapes}
+
+
 @torch.no_grad()
 def sample_grid(target: GenerationTarget, concepts: Sequence[str], prompts: Sequence[str],
                 n: int = 8, seed: int = 0, scale: int = 3) -> np.ndarray:
