@@ -137,6 +137,15 @@ def test_shipped_model_draws_what_it_is_asked_for(tmp_path):
         assert np.mean([r[kind] for r in q.shapes.values()]) >= 0.65, (kind, q.shapes)
     assert min(r["name"] for r in q.shapes.values()) >= 0.25, q.shapes
     assert np.mean(list(q.styles.values())) >= 0.75, q.styles
+    # the card's guidance sweep: at the same guidance and seeds, name_rates reproduces the
+    # name column from the images already cached; another guidance draws other images
+    from emma.tinyworld.quality import name_rates
+
+    assert name_rates(target, n=4, seed=77) == {c: r["name"] for c, r in q.shapes.items()}
+    low = make_target(ASSETS / "pipeline", TinyWorldClassifier(), tmp_path, guidance=1.0)
+    a = target.generate(["an image of a circle"], [77]).images
+    b = low.generate(["an image of a circle"], [77]).images
+    assert (a - b).abs().max() > 0.05
 
 
 @needs_assets
