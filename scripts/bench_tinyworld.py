@@ -1,5 +1,5 @@
-"""Tiny-world throughput on this machine: images/s of generation (the shipped pipeline, 20
-PNDM steps, guidance 5, batch 32) and of classification (the tiny-world judge).
+"""Tiny-world throughput on this machine: images/s of generation (the shipped pipeline and
+scheduler, 20 steps, guidance 5, batch 32) and of classification (the tiny-world judge).
 
     python scripts/bench_tinyworld.py [--n 128] [--threads 2]
 """

@@ -3,9 +3,10 @@
 Each method runs at EMMA-like settings scaled down to the tiny world (``TINYWORLD_SETTINGS``:
 the papers' algorithms and objectives, with step counts, learning rates and image counts sized
 for a 3-layer text encoder and an 8x8x8 latent UNet on a CPU). Images are drawn with the
-tiny world's sampler settings (PNDM, 20 steps, guidance 5; ``SAMPLER``) and judged by the
-tiny-world classifier; EA is the fraction of target-prompt images where the shape is *not* found, RA the
-fraction of non-target images where their shape *is* found (EMMA's definitions).
+tiny world's sampler settings (its shipped Euler ancestral scheduler, 20 steps, guidance 5;
+``SAMPLER``) and judged by the tiny-world classifier; EA is the fraction of target-prompt
+images where the shape is *not* found, RA the fraction of non-target images where their shape
+*is* found (EMMA's definitions).
 
     python scripts/eval_methods_tinyworld.py                       # all methods, writes docs/
     python scripts/eval_methods_tinyworld.py --methods uce,esd --seeds 4 --out /tmp/t.md
@@ -208,7 +209,7 @@ def markdown(rows: list[Row], concept: str, seeds: int, command: str, guidance: 
 
 Erasing **{concept}** from the tiny world with each method at EMMA-like settings scaled down
 (`scripts/eval_methods_tinyworld.py`, `TINYWORLD_SETTINGS`). Images: the tiny world's sampler
-(PNDM, 20 steps, guidance {guidance:g}, 32x32), {seeds} seeds per prompt, judged by the tiny-world
+(Euler ancestral, 20 steps, guidance {guidance:g}, 32x32), {seeds} seeds per prompt, judged by the tiny-world
 classifier (top-1 of its shape head with probability >= 0.5). EA = fraction of target-prompt
 images where the {concept} is **not** found; RA = fraction of non-target images where their
 shape **is** found. Prompts are the tiny-world domain's EMMA suite (images per type:

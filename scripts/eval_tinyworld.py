@@ -53,7 +53,7 @@ prefix word at random; 10% of captions are empty (classifier-free guidance).
 | tokenizer | CLIPTokenizer (the SD v1.x vocabulary, rebuilt from open_clip's BPE file) | |
 | UNet | UNet2DConditionModel, blocks 64/128/128, cross-attention dim 64 | {unet_params:.2f}M |
 | VAE | AutoencoderKL, 32x32x3 -> 8x8x8 latents | {vae_params:.2f}M |
-| scheduler | PNDMScheduler, SD v1.4 configuration | |
+| scheduler | {scheduler}, SD v1.4 configuration (20 steps) | |
 | judge | `classifiers/tinyworld.py`, CNN with shape / colour / style heads | {clf_params:.2f}M |
 
 Weights are stored in fp16 (safetensors) and load as fp32.
@@ -70,7 +70,7 @@ Trained on 2 CPU cores; wall time: {wall_time}.
 
 ## What it scores
 
-Measured by `python scripts/eval_tinyworld.py` ({n_images} images, 20 PNDM steps, guidance {guidance:g},
+Measured by `python scripts/eval_tinyworld.py` ({n_images} images, 20 {scheduler_short} steps, guidance {guidance:g},
 seeds from {seed}): the fraction of images in which the judge finds the concept the prompt asks
 for. Prompts are the tiny-world domain's own EMMA-form suite (name: "an image of a circle";
 variant: "an image of a disc"; short / long: descriptions without the name); styles: "a star in
@@ -187,6 +187,8 @@ def main(argv=None) -> None:
         clf_n=acc["n"], acc_shape=acc["renders"]["shape"], acc_colour=acc["renders"]["colour"],
         acc_style=acc["renders"]["style"], rec_shape=acc["vae_reconstructions"]["shape"],
         rec_colour=acc["vae_reconstructions"]["colour"], rec_style=acc["vae_reconstructions"]["style"],
+        scheduler=type(pipe.scheduler).__name__,
+        scheduler_short=type(pipe.scheduler).__name__.removesuffix("Scheduler").removesuffix("Discrete"),
         status=status(q, acc), guidance=args.guidance, sweep_n=args.n_name,
         sweep_table=sweep_table(sweep) if sweep else "(not measured)",
     )

@@ -316,7 +316,7 @@ def init_from_export(folder: Path, unet, te) -> int:
 
 # --------------------------------------------------------------------------- export
 def export(args, work: Path, dest: Path):
-    from diffusers import PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from safetensors.torch import save_file
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -340,7 +340,7 @@ def export(args, work: Path, dest: Path):
         torch.nn.Module.to(module, dtype=torch.float16)
     pipe = StableDiffusionPipeline(
         vae=vae, text_encoder=te, tokenizer=local_clip_tokenizer(), unet=unet,
-        scheduler=PNDMScheduler(**arch.SCHEDULER_CONFIG), safety_checker=None,
+        scheduler=arch.make_scheduler(), safety_checker=None,
         feature_extractor=None, requires_safety_checker=False,
     )
     dest.mkdir(parents=True, exist_ok=True)

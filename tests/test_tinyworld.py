@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from emma.tinyworld import world
+from emma.tinyworld import arch, world
 from emma.tinyworld.tokenizer import local_clip_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +98,7 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     pipe = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, dtype=torch.float32)
     assert pipe.unet.config.sample_size == 8 and pipe.vae.config.latent_channels == 8
     assert pipe.text_encoder.config.num_hidden_layers == 3
+    assert type(pipe.scheduler).__name__ == arch.SCHEDULER_CLASS
     img = pipe("an image of a red star", num_inference_steps=2, guidance_scale=5.0, height=32, width=32,
                generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert img.shape == (1, 3, 32, 32)
@@ -106,6 +107,19 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert again.returncode == 0 and "unet: done, skipping" in again.stdout
     assert (out / "classifier.safetensors").read_bytes() == before
+
+
+@needs_assets
+def test_shipped_pipeline_samples_with_the_tiny_world_scheduler():
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(ASSETS / "pipeline", local_files_only=True)
+    assert type(pipe.scheduler).__name__ == arch.SCHEDULER_CLASS == "EulerAncestralDiscreteScheduler"
+    expected = arch.make_scheduler().config
+    for key in ("beta_start", "beta_end", "beta_schedule", "num_train_timesteps", "steps_offset",
+                "timestep_spacing", "prediction_type"):
+        assert pipe.scheduler.config[key] == expected[key], key
+    assert expected["timestep_spacing"] == "leading" and expected["steps_offset"] == 1
 
 
 @needs_assets

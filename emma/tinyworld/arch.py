@@ -1,7 +1,7 @@
 """Architectures of the tiny world, as data.
 
 The components are the classes SD v1.x uses (``UNet2DConditionModel``, ``AutoencoderKL``,
-``CLIPTextModel``, ``CLIPTokenizer``, ``PNDMScheduler``) at miniature sizes, so that every
+``CLIPTextModel``, ``CLIPTokenizer``) at miniature sizes, so that every
 code path the harness runs on the tiny world is the one it runs on Stable Diffusion.
 """
 
@@ -49,6 +49,13 @@ UNET_CONFIG: dict[str, Any] = dict(
     norm_num_groups=32,
 )
 
+# The sampler the tiny-world pipeline ships with, in the SD v1.4 scheduler configuration
+# (``SCHEDULER_CONFIG``). Euler ancestral draws every shape from its name prompt at 20 steps
+# more reliably than the PNDM sampler of SD v1.4 (40 seeds per shape, guidance 5: lowest shape
+# rate 0.93 against 0.73 for PNDM, at the same cost; DDIM is worse still). Swap samplers with
+# ``model.scheduler``.
+SCHEDULER_CLASS = "EulerAncestralDiscreteScheduler"
+
 # The SD v1.4 scheduler configuration.
 SCHEDULER_CONFIG: dict[str, Any] = dict(
     num_train_timesteps=1000,
@@ -58,6 +65,7 @@ SCHEDULER_CONFIG: dict[str, Any] = dict(
     skip_prk_steps=True,
     steps_offset=1,
     set_alpha_to_one=False,
+    timestep_spacing="leading",
 )
 
 # diffusers' test sizes (tests/pipelines/stable_diffusion get_dummy_components), used by
@@ -94,3 +102,11 @@ TINY_RANDOM_TEXT_ENCODER: dict[str, Any] = dict(
     vocab_size=49408,
     max_position_embeddings=77,
 )
+
+
+def make_scheduler(cls_name: str = SCHEDULER_CLASS) -> Any:
+    """The scheduler ``cls_name`` of diffusers in the SD v1.4 configuration."""
+    import diffusers
+
+    cls = getattr(diffusers, cls_name)
+    return cls.from_config(SCHEDULER_CONFIG)
