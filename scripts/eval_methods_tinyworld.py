@@ -49,19 +49,19 @@ DOMAIN = "tinyworld"
 SHAPES_BUT = ["square", "triangle", "star", "heart", "cross", "crescent", "diamond"]  # all but circle
 TINYWORLD_SETTINGS: dict[str, tuple[type, dict[str, Any]]] = {
     "esd-x": (ESDMethod, dict(train_method="esd-x", iterations=200, learning_rate=3e-4, ddim_steps=10)),
-    "esd-u": (ESDMethod, dict(train_method="esd-u", iterations=800, learning_rate=1.5e-4, ddim_steps=10)),
+    "esd-u": (ESDMethod, dict(train_method="esd-u", iterations=800, learning_rate=2.5e-4, ddim_steps=10)),
     # UCE preserves the domain's other concepts, as its reference code does for artists.
     "uce": (UCEMethod, dict(guide_concepts={DOMAIN: "shape"}, preserve_concepts={DOMAIN: SHAPES_BUT})),
     "mace": (MACEMethod, dict(mapping_concepts={DOMAIN: "background"}, learning_rate=3e-3, max_train_steps=50,
                               num_images=8, sample_steps=20, segmenter="attention")),
     "ca": (ConceptAblationMethod, dict(anchor_concepts={DOMAIN: "shape"}, num_class_images=64,
-                                       train_batch_size=8, learning_rate=1e-3, max_train_steps=200,
+                                       train_batch_size=8, learning_rate=1.5e-3, max_train_steps=200,
                                        sample_steps=20)),
     "ca-model": (ConceptAblationMethod, dict(loss="model", anchor_concepts={DOMAIN: "shape"},
-                                             num_class_images=64, train_batch_size=8, learning_rate=5e-5,
-                                             max_train_steps=100, sample_steps=20, prior_preservation=True)),
+                                             num_class_images=64, train_batch_size=8, learning_rate=1e-4,
+                                             max_train_steps=200, sample_steps=20, prior_preservation=True)),
     "fmn": (ForgetMeNotMethod, dict(prompt_templates={DOMAIN: "an image of a {}"}, learning_rate=1e-3,
-                                    max_train_steps=35, num_images=8, sample_steps=20)),
+                                    max_train_steps=70, num_images=8, sample_steps=20)),
 }
 
 
