@@ -9,7 +9,7 @@ images where the shape is *not* found, RA the fraction of non-target images wher
 *is* found (EMMA's definitions).
 
     python scripts/eval_methods_tinyworld.py                       # all methods, writes docs/
-    python scripts/eval_methods_tinyworld.py --methods uce,esd --seeds 4 --out /tmp/t.md
+    python scripts/eval_methods_tinyworld.py --methods uce,esd --seeds 4 --out methods_subset.md
 
 ``tests/test_methods_tinyworld.py`` imports :func:`evaluate_method` and ``TINYWORLD_SETTINGS``.
 """

@@ -320,6 +320,8 @@ def export(args, work: Path, dest: Path):
     from safetensors.torch import save_file
     from transformers import CLIPTextConfig, CLIPTextModel
 
+    from emma.pipelines import make_scheduler
+
     vae = load_vae(args, work).cpu()
     if (work / "unet_final.pt").exists():
         final = torch.load(work / "unet_final.pt", map_location="cpu", weights_only=False)
@@ -340,7 +342,7 @@ def export(args, work: Path, dest: Path):
         torch.nn.Module.to(module, dtype=torch.float16)
     pipe = StableDiffusionPipeline(
         vae=vae, text_encoder=te, tokenizer=local_clip_tokenizer(), unet=unet,
-        scheduler=arch.make_scheduler(), safety_checker=None,
+        scheduler=make_scheduler(arch.SCHEDULER_CLASS, arch.SCHEDULER_CONFIG), safety_checker=None,
         feature_extractor=None, requires_safety_checker=False,
     )
     dest.mkdir(parents=True, exist_ok=True)

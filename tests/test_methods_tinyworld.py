@@ -33,7 +33,7 @@ TYPES = ("name", "random")
 # Floors per method: EA on name prompts, and RA on random shapes relative to the base model.
 # (The documented run, docs/methods_tinyworld.md, 16 images per prompt, reaches EA >= 0.8 and
 # RA >= 0.8 x base for every method.)
-FLOORS = {  # EA on 6 name images: at most 2 show the circle (the base model: none of 6)
+FLOORS = {  # EA on 6 name images: at most 2 show the circle (the base model draws it in all 6)
     name: (0.65, 0.75) for name in ("uce", "esd-x", "esd-u", "mace", "ca", "ca-model", "fmn")
 }
 

@@ -113,9 +113,11 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
 def test_shipped_pipeline_samples_with_the_tiny_world_scheduler():
     from diffusers import StableDiffusionPipeline
 
+    from emma.pipelines import make_scheduler
+
     pipe = StableDiffusionPipeline.from_pretrained(ASSETS / "pipeline", local_files_only=True)
     assert type(pipe.scheduler).__name__ == arch.SCHEDULER_CLASS == "EulerAncestralDiscreteScheduler"
-    expected = arch.make_scheduler().config
+    expected = make_scheduler(arch.SCHEDULER_CLASS, arch.SCHEDULER_CONFIG).config
     for key in ("beta_start", "beta_end", "beta_schedule", "num_train_timesteps", "steps_offset",
                 "timestep_spacing", "prediction_type"):
         assert pipe.scheduler.config[key] == expected[key], key

@@ -52,7 +52,8 @@ UNET_CONFIG: dict[str, Any] = dict(
 # The sampler the tiny-world pipeline ships with, in the SD v1.4 scheduler configuration
 # (``SCHEDULER_CONFIG``). Euler ancestral draws every shape from its name prompt at 20 steps
 # more reliably than the PNDM sampler of SD v1.4 (40 seeds per shape, guidance 5: lowest shape
-# rate 0.93 against 0.73 for PNDM, at the same cost; DDIM is worse still). Swap samplers with
+# rate 0.93 against 0.73 for PNDM, at the same cost; DDIM is worse still). Built by
+# ``emma.pipelines.make_scheduler(SCHEDULER_CLASS, SCHEDULER_CONFIG)``; swap samplers with
 # ``model.scheduler``.
 SCHEDULER_CLASS = "EulerAncestralDiscreteScheduler"
 
@@ -102,11 +103,3 @@ TINY_RANDOM_TEXT_ENCODER: dict[str, Any] = dict(
     vocab_size=49408,
     max_position_embeddings=77,
 )
-
-
-def make_scheduler(cls_name: str = SCHEDULER_CLASS) -> Any:
-    """The scheduler ``cls_name`` of diffusers in the SD v1.4 configuration."""
-    import diffusers
-
-    cls = getattr(diffusers, cls_name)
-    return cls.from_config(SCHEDULER_CONFIG)
