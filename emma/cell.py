@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
 import subprocess
 import time
 from importlib import metadata
@@ -17,6 +18,7 @@ from typing import Any
 
 import hydra
 import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from emma import quality
@@ -96,6 +98,36 @@ def _package_version(name: str) -> str | None:
         return None
 
 
+def runtime_info() -> dict[str, Any]:
+    """What the numbers depend on besides config and weights: torch's CPU threads (float
+    reductions split differently), the CPU and the device."""
+    return {"torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+            "cpu": _cpu_model(), "python": platform.python_version()}
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def preset_choices() -> dict[str, str]:
+    """The presets Hydra merged into this cell (``conf/preset/<group>/<choice>_<scale>``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    choices = HydraConfig.get().runtime.choices
+    out = {k.split("/", 1)[1]: v for k, v in choices.items()
+           if k.startswith("preset/") and v and (CONF_DIR / k / f"{v}.yaml").exists()}
+    scale = choices.get("scale@_global_")
+    return {**out, "scale": scale} if scale else out
+
+
 def rate_metrics(samples: list[Sample], attack_samples: list[Sample], seed: int) -> dict[str, MetricValue]:
     """EA per prompt type, RA per type, ASR (post-attack) and ``asr/pre`` (the attack
     requests' original prompts, i.e. before the attacker changed them)."""
@@ -129,6 +161,8 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     timing: dict[str, float] = {}
     notes: list[str] = []
     cache_root = Path(cfg.paths.cache_dir).expanduser()
+    if cfg.get("threads") is not None:
+        torch.set_num_threads(int(cfg.threads))
 
     t = time.perf_counter()
     domain: Domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
@@ -255,6 +289,8 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
                   "erased_fingerprint": erased.fingerprint, "erase_key": erased.key},
         "data_files": {k: sha256_file(p) for k, p in getattr(domain, "data_files", {}).items()},
         "libraries": {n: _package_version(n) for n in ("torch", "diffusers", "transformers")},
+        "runtime": runtime_info(),
+        "presets": preset_choices(),
     }
     result = CellResult(
         metrics=metrics,

@@ -10,13 +10,15 @@ file so that a misspelt key inside a YAML fails there.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from emma.pipelines import ModelConfig
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS: tuple[str, ...] = ("model", "method", "domain", "attacker", "classifier", "metrics",
                            "logger", "paths", "experiment")
 
@@ -35,6 +37,9 @@ class RunConfig:
         seed: first seed of every prompt's images, and the seed of erasure and bootstrap.
         images_per_prompt: overrides the domain's images per prompt.
         prompt_types: restrict the suite to these prompt types (``[name, random]``).
+        threads: torch CPU threads for the cell (``null``: torch's default). Results depend
+            on it in the last bits (the order of float reductions): same seed and same
+            threads give bit-identical metrics; the count used is in results.json.
     """
 
     model: Any = MISSING
@@ -50,9 +55,55 @@ class RunConfig:
     seed: int = 0
     images_per_prompt: Optional[int] = None
     prompt_types: Optional[list[str]] = None
+    threads: Optional[int] = None
+
+
+_DOMAINS: dict[str, Any] = {}
+
+
+def build_domain(domain_cfg: DictConfig) -> Any:
+    """The Domain a ``conf/domain`` node builds (cached per config: suites read files)."""
+    import hydra
+
+    key = OmegaConf.to_yaml(domain_cfg)
+    if key not in _DOMAINS:
+        _DOMAINS[key] = hydra.utils.instantiate(domain_cfg, _convert_="all")
+    return _DOMAINS[key]
+
+
+def other_concepts(domain: str, _root_: DictConfig) -> ListConfig:
+    """``${emma.other_concepts:tinyworld}``: every concept of domain ``domain`` except the
+    cell's concept (the domain's default concept when ``concept`` is null).
+
+    Presets use it for the concepts a method preserves or contrasts with, so that one preset
+    serves every concept of a domain. The resolved list shows in ``--cfg job`` and
+    results.json, and is hashed into the erased-model cache key with the method's config.
+    """
+    from emma.errors import UnknownChoiceError
+
+    if _root_.domain.get("name") == domain:
+        dcfg = _root_.domain
+    else:
+        path = CONF_DIR / "domain" / f"{domain}.yaml"
+        if not path.exists():
+            valid = sorted(p.stem for p in (CONF_DIR / "domain").glob("*.yaml"))
+            raise UnknownChoiceError("domain (in ${emma.other_concepts:...})", domain, valid)
+        dcfg = OmegaConf.load(path)
+    built = build_domain(dcfg)
+    concept = _root_.get("concept")
+    if concept is None and _root_.domain.get("name") == domain:
+        concept = built.default_concept
+    if concept is not None:
+        try:
+            concept = built.concept(concept).name
+        except UnknownChoiceError:
+            pass  # the cell's own concept check reports it
+    return ListConfig([c for c in built.concepts if c != concept])
 
 
 def register_configs() -> None:
+    if not OmegaConf.has_resolver("emma.other_concepts"):
+        OmegaConf.register_new_resolver("emma.other_concepts", other_concepts)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

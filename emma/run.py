@@ -69,8 +69,25 @@ def main(cfg: DictConfig) -> dict | None:
     return {k: v.value for k, v in result.metrics.items()}
 
 
+def scale_alias(argv: list[str]) -> list[str]:
+    """``scale=sd`` -> ``scale@_global_=sd``: the model scale whose presets apply
+    (conf/preset/README.md); Hydra needs the package in the override's key."""
+    out = []
+    for arg in argv:
+        if arg.startswith("scale="):
+            value = arg.split("=", 1)[1]
+            valid = group_choices("scale")
+            for choice in value.split(","):
+                if choice not in valid:
+                    raise UnknownChoiceError("scale", choice, valid)
+            arg = "scale@_global_=" + value
+        out.append(arg)
+    return out
+
+
 def cli() -> None:
     try:
+        sys.argv[1:] = scale_alias(sys.argv[1:])
         check_overrides(sys.argv[1:])
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,30 +1,31 @@
-"""Erase one tiny-world shape with every method and measure EA / RA.
+"""Every erasure method on every tiny-world shape, through the command line's own configs.
 
-Each method runs at EMMA-like settings scaled down to the tiny world (``TINYWORLD_SETTINGS``:
-the papers' algorithms and objectives, with step counts, learning rates and image counts sized
-for a 3-layer text encoder and an 8x8x8 latent UNet on a CPU). Images are drawn with the
-tiny world's sampler settings (its shipped Euler ancestral scheduler, 20 steps, guidance 5;
-``SAMPLER``) and judged by the tiny-world classifier; EA is the fraction of target-prompt
-images where the shape is *not* found, RA the fraction of non-target images where their shape
-*is* found (EMMA's definitions).
+Each (method, concept) is the cell ``python -m emma.run method=M concept=C`` restricted to the
+two columns that decide whether an erasure works: EA on the name prompt and RA on random
+other shapes (``metrics=rates_only prompt_types=[name,random]``). The configs are composed
+from ``conf/`` exactly as the CLI composes them, so the method's tiny-world preset
+(``conf/preset/method/<method>_tiny.yaml``) is what is measured; nothing is set here.
 
-    python scripts/eval_methods_tinyworld.py                       # all methods, writes docs/
-    python scripts/eval_methods_tinyworld.py --methods uce,esd --seeds 4 --out methods_subset.md
+    python scripts/eval_methods_tinyworld.py                         # all methods x 8 shapes -> docs/
+    python scripts/eval_methods_tinyworld.py --methods esd_u --concepts circle,star --seeds 0,1,2
+    python scripts/eval_methods_tinyworld.py --methods esd --override method.learning_rate=2e-4 --out /dev/null
 
-``tests/test_methods_tinyworld.py`` imports :func:`evaluate_method` and ``TINYWORLD_SETTINGS``.
+Erased models and images are cached under ``--cache`` (default ``.cache/eval-methods``), so an
+interrupted run resumes and a re-run only re-reads. ``tests/test_methods_tinyworld.py`` calls
+:func:`evaluate_cell`.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -32,200 +33,184 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from emma.methods.ca import ConceptAblationMethod  # noqa: E402
-from emma.methods.esd import ESDMethod  # noqa: E402
-from emma.methods.fmn import ForgetMeNotMethod  # noqa: E402
-from emma.methods.mace import MACEMethod  # noqa: E402
-from emma.methods.uce import UCEMethod  # noqa: E402
-
-EA_TYPES = ("name", "prefix", "variant", "short", "long")
-RA_TYPES = ("random", "similar")
-# The tiny world's sampler settings (conf/model/tinyworld.yaml).
-SAMPLER = dict(num_inference_steps=20, guidance_scale=5.0, height=32, width=32)
-DOMAIN = "tinyworld"
-
-# Scaled-down settings: the methods' own samplers take the tiny world's 20 steps; everything
-# not listed (guidance scales of those samplers included) keeps the paper default.
-SHAPES_BUT = ["square", "triangle", "star", "heart", "cross", "crescent", "diamond"]  # all but circle
-TINYWORLD_SETTINGS: dict[str, tuple[type, dict[str, Any]]] = {
-    "esd-x": (ESDMethod, dict(train_method="esd-x", iterations=200, learning_rate=3e-4, ddim_steps=10)),
-    "esd-u": (ESDMethod, dict(train_method="esd-u", iterations=800, learning_rate=2.5e-4, ddim_steps=10)),
-    # UCE preserves the domain's other concepts, as its reference code does for artists.
-    "uce": (UCEMethod, dict(guide_concepts={DOMAIN: "shape"}, preserve_concepts={DOMAIN: SHAPES_BUT})),
-    "mace": (MACEMethod, dict(mapping_concepts={DOMAIN: "background"}, learning_rate=3e-3, max_train_steps=50,
-                              num_images=8, sample_steps=20, segmenter="attention")),
-    "ca": (ConceptAblationMethod, dict(anchor_concepts={DOMAIN: "shape"}, num_class_images=64,
-                                       train_batch_size=8, learning_rate=1.5e-3, max_train_steps=200,
-                                       sample_steps=20)),
-    "ca-model": (ConceptAblationMethod, dict(loss="model", anchor_concepts={DOMAIN: "shape"},
-                                             num_class_images=64, train_batch_size=8, learning_rate=1e-4,
-                                             max_train_steps=200, sample_steps=20, prior_preservation=True)),
-    "fmn": (ForgetMeNotMethod, dict(prompt_templates={DOMAIN: "an image of a {}"}, learning_rate=1e-3,
-                                    max_train_steps=70, num_images=8, sample_steps=20)),
-}
+CONF = ROOT / "conf"
+METHODS = ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn")
+SHAPES = ("circle", "square", "triangle", "star", "heart", "cross", "crescent", "diamond")
+RATE_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random]")
 
 
-def default_assets() -> tuple[Path, Path]:
-    """The shipped tiny world, else the training script's export folder."""
-    from classifiers.tinyworld import DEFAULT_WEIGHTS
-    from emma.pipelines import TINYWORLD_DIR
+def compose(overrides: Sequence[str]) -> Any:
+    """The cell config ``python -m emma.run <overrides>`` would run (presets included)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
-    if TINYWORLD_DIR.exists() and DEFAULT_WEIGHTS.exists():
-        return TINYWORLD_DIR, DEFAULT_WEIGHTS
-    export = ROOT / ".cache" / "tinyworld-export"
-    return export / "pipeline", export / "classifier.safetensors"
+    from emma.config import register_configs
 
-
-def load_tinyworld(pipeline: Path, device: str = "cpu") -> Any:
-    from diffusers import StableDiffusionPipeline
-
-    # The tiny world ships fp16 weights; it runs (and is erased) in fp32 on CPUs.
-    pipe = StableDiffusionPipeline.from_pretrained(str(pipeline), local_files_only=True, safety_checker=None,
-                                                   requires_safety_checker=False, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def prompt_suite(concept: str) -> dict[str, list[tuple[str, str]]]:
-    """EMMA-form prompts of the tiny-world domain: ``{type: [(prompt, checked concept)]}``."""
-    from emma.domains.tinyworld import tinyworld_domain
-
-    domain = tinyworld_domain()
-    return domain.suite.prompts(domain, concept)
-
-
-@torch.no_grad()
-def judge(pipe: Any, classifier: Any, prompts: list[tuple[str, str]], seeds: int,
-          batch_size: int = 32, sampler: dict[str, Any] | None = None) -> list[bool]:
-    """Draw ``seeds`` images per prompt and return, per image, whether its concept is found."""
-    jobs = [(p, c, s) for p, c in prompts for s in range(seeds)]
-    found: list[bool] = []
-    for i in range(0, len(jobs), batch_size):
-        chunk = jobs[i : i + batch_size]
-        gens = [torch.Generator("cpu").manual_seed(s) for _, _, s in chunk]
-        images = pipe([p for p, _, _ in chunk], generator=gens, output_type="pt",
-                      **(sampler or SAMPLER)).images
-        images = (images.float().cpu() * 255).round() / 255  # judged as the harness stores them (8 bit)
-        probs = classifier.predict(images)
-        for j, (_, c, _) in enumerate(chunk):
-            found.append(bool(classifier.detect(probs[j : j + 1], c)[0]))
-    return found
+@dataclass
+class CellRates:
+    method: str
+    concept: str
+    seed: int
+    threads: int
+    ea_name: float
+    ra_random: float
+    n_name: int
+    n_random: int
+    unlearning_s: float
+    wall_s: float
+    method_config: dict[str, Any]
 
 
+def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt: int | None = None,
+                  cache_dir: str | Path, overrides: Sequence[str] = (), threads: int | None = None) -> CellRates:
+    """Run the cell ``method=<method> concept=<concept>`` (EA name + RA random only) and
+    return its rates. ``images_per_prompt=None`` keeps the domain's default (10)."""
+    from emma.cell import run_cell
+
+    ov = [f"method={method}", f"concept={concept}", f"seed={seed}", *RATE_OVERRIDES,
+          f"paths.cache_dir={cache_dir}"]
+    if images_per_prompt is not None:
+        ov.append(f"images_per_prompt={images_per_prompt}")
+    if threads is not None:
+        ov.append(f"threads={threads}")
+    cfg = compose([*ov, *overrides])
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        result = run_cell(cfg, out)
+    wall = time.perf_counter() - t0
+    m = result.metrics
+    return CellRates(method=method, concept=concept, seed=seed, threads=torch.get_num_threads(),
+                     ea_name=m["ea/name"].value, ra_random=m["ra/random"].value, n_name=m["ea/name"].n,
+                     n_random=m["ra/random"].n, unlearning_s=m["time/unlearning_s"].value, wall_s=wall,
+                     method_config=result.versions["components"]["method"])
+
+
+# ---------------------------------------------------------------------------- sample grid
 def grid_prompts(concept: str) -> list[str]:
     """The sample grid's columns: the erased concept's name prompt x 4, two other shapes x 2."""
     others = [c for c in ("crescent", "square", "triangle") if c != concept][:2]
     return [f"an image of a {c}" for c in [concept] * 4 + [others[0]] * 2 + [others[1]] * 2]
 
 
-@dataclass
-class Row:
-    method: str
-    unlearning_s: float
-    rates: dict[str, float]
-    n: dict[str, int]
-    config: dict[str, Any] = field(default_factory=dict)
-    samples: Any = None  # (3, 32, 256) float tensor: one grid row (grid_prompts)
-
-
 @torch.no_grad()
-def sample_row(pipe: Any, concept: str, sampler: dict[str, Any] | None = None) -> torch.Tensor:
-    """One grid row: grid_prompts(concept) (seeds 0, 1, ...) side by side."""
+def sample_row(method: str, concept: str, cache_dir: str | Path, seed: int = 0) -> torch.Tensor:
+    """One grid row (grid_prompts, seeds 0..7) drawn by the model ``method`` erases ``concept``
+    from (the erased model comes from the cache the evaluation filled)."""
+    import hydra
+
+    from emma.erase import erase_cached
+    from emma.pipelines import fingerprint, load_pipeline
+
+    cfg = compose([f"method={method}", f"concept={concept}", f"seed={seed}"])
+    pipe = load_pipeline(cfg.model)
+    erase_cached(pipe, hydra.utils.instantiate(cfg.method, _convert_="all"), [concept], cache_dir,
+                 base_fingerprint=fingerprint(pipe), domain=cfg.domain.name, seed=seed)
     prompts = grid_prompts(concept)
     gens = [torch.Generator("cpu").manual_seed(i) for i in range(len(prompts))]
-    images = pipe(prompts, generator=gens, output_type="pt", **(sampler or SAMPLER)).images
+    images = pipe(prompts, generator=gens, output_type="pt", num_inference_steps=cfg.model.num_inference_steps,
+                  guidance_scale=cfg.model.guidance_scale, height=cfg.model.height, width=cfg.model.width).images
     return torch.cat(list(images.float().cpu()), dim=2)
 
 
-def save_grid(rows: list[Row], path: Path, scale: int = 3) -> None:
-    """The rows' samples stacked (one row per method, labelled on the left) as a PNG."""
+def save_grid(rows: list[tuple[str, torch.Tensor]], path: Path, scale: int = 3) -> None:
+    """Sample rows stacked (one per method, labelled on the left) as a PNG, written atomically."""
     from PIL import Image, ImageDraw
 
-    strips = [r.samples for r in rows if r.samples is not None]
-    grid = (torch.cat(strips, dim=1).permute(1, 2, 0).numpy() * 255).round().clip(0, 255).astype("uint8")
+    grid = torch.cat([r for _, r in rows], dim=1).permute(1, 2, 0).numpy()
+    grid = (grid * 255).round().clip(0, 255).astype("uint8")
     img = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
     label_w = 80
     canvas = Image.new("RGB", (img.width + label_w, img.height), "white")
     canvas.paste(img, (label_w, 0))
     draw = ImageDraw.Draw(canvas)
-    for i, r in enumerate(r for r in rows if r.samples is not None):
-        draw.text((6, i * 32 * scale + 32 * scale // 2 - 6), r.method, fill="black")
+    for i, (name, _) in enumerate(rows):
+        draw.text((6, i * 32 * scale + 32 * scale // 2 - 6), name, fill="black")
     tmp = path.with_suffix(".tmp.png")
     canvas.save(tmp)
     os.replace(tmp, path)
 
 
-def rates_of(pipe: Any, classifier: Any, suite: dict[str, list[tuple[str, str]]], seeds: int,
-             types: tuple[str, ...] = EA_TYPES + RA_TYPES,
-             sampler: dict[str, Any] | None = None) -> tuple[dict[str, float], dict[str, int]]:
-    rates, counts = {}, {}
-    for kind in types:
-        if kind not in suite:
-            continue
-        found = judge(pipe, classifier, suite[kind], seeds, sampler=sampler)
-        hits = sum(found) / max(len(found), 1)
-        rates[kind] = 1.0 - hits if kind in EA_TYPES else hits
-        counts[kind] = len(found)
-    return rates, counts
+# ---------------------------------------------------------------------------- report
+def summarize(rows: list[CellRates], base: dict[str, CellRates]) -> dict[str, dict[str, Any]]:
+    """Per method: mean and worst EA name, mean and worst RA random relative to the base
+    model's RA on the same concept, the slowest unlearning, and whether every cell passes
+    EA >= 0.8 and RA >= 0.8 x base."""
+    out: dict[str, dict[str, Any]] = {}
+    for method in dict.fromkeys(r.method for r in rows):
+        rs = [r for r in rows if r.method == method]
+        rel = [r.ra_random / base[r.concept].ra_random for r in rs]
+        worst_ea = min(rs, key=lambda r: r.ea_name)
+        worst_ra = min(rs, key=lambda r: r.ra_random / base[r.concept].ra_random)
+        out[method] = {
+            "ea_mean": sum(r.ea_name for r in rs) / len(rs), "ea_worst": worst_ea.ea_name,
+            "ea_worst_concept": worst_ea.concept,
+            "ra_mean": sum(r.ra_random for r in rs) / len(rs), "ra_worst": worst_ra.ra_random,
+            "ra_worst_concept": worst_ra.concept, "ra_rel_worst": min(rel),
+            "unlearning_max_s": max(r.unlearning_s for r in rs),
+            "passes": all(r.ea_name >= 0.8 and r.ra_random >= 0.8 * base[r.concept].ra_random for r in rs),
+            "cells": len(rs),
+        }
+    return out
 
 
-def evaluate_method(base: Any, classifier: Any, name: str | None, concept: str, seeds: int,
-                    types: tuple[str, ...] = EA_TYPES + RA_TYPES, seed: int = 0,
-                    overrides: dict[str, Any] | None = None, progress: bool = False,
-                    sampler: dict[str, Any] | None = None, samples: bool = False) -> Row:
-    """Erase ``concept`` from a copy of ``base`` with method ``name`` (``None``: the base model)."""
-    suite = prompt_suite(concept)
-    pipe = copy.deepcopy(base)
-    elapsed, config = 0.0, {"name": "base"}
-    if name is not None:
-        cls, kwargs = TINYWORLD_SETTINGS[name]
-        extra = {} if cls is UCEMethod else {"progress": progress}
-        method = cls(**{**kwargs, **(overrides or {})}, **extra)
-        t0 = time.perf_counter()
-        method.erase(pipe, [concept], seed=seed, domain=DOMAIN)
-        elapsed = time.perf_counter() - t0
-        config = method.config()
-    rates, counts = rates_of(pipe, classifier, suite, seeds, types, sampler)
-    strip = sample_row(pipe, concept, sampler) if samples else None
-    return Row(method=name or "base", unlearning_s=elapsed, rates=rates, n=counts, config=config,
-               samples=strip)
-
-
-def markdown(rows: list[Row], concept: str, seeds: int, command: str, guidance: float,
-             grid_name: str = "methods_tinyworld.png") -> str:
-    head = ("| method | unlearning (s) | " + " | ".join(f"EA {t}" for t in EA_TYPES) + " | "
-            + " | ".join(f"RA {t}" for t in RA_TYPES) + " |")
-    sep = "|" + "---|" * (2 + len(EA_TYPES) + len(RA_TYPES))
-    lines = [head, sep]
-    for r in rows:
-        cells = [f"{r.rates[t]:.2f}" if t in r.rates else "–" for t in EA_TYPES + RA_TYPES]
-        t = "–" if r.method == "base" else f"{r.unlearning_s:.1f}"
-        lines.append(f"| {r.method} | {t} | " + " | ".join(cells) + " |")
-    counts = rows[0].n if rows else {}
-    settings = "\n".join(
-        f"- **{r.method}**: `{json.dumps({k: v for k, v in r.config.items() if k not in ('name', 'version')}, sort_keys=True)}`"  # noqa: E501
-        for r in rows if r.method != "base")
+def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequence[str], command: str,
+             grid_name: str | None) -> str:
+    summary = summarize(rows, base)
+    head = ("| method | EA name mean | EA name worst | RA random mean | RA random worst (÷ base) | all pass "
+            "| max unlearning (s) |")
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for method, s in summary.items():
+        lines.append(f"| {method} | {s['ea_mean']:.2f} | {s['ea_worst']:.2f} ({s['ea_worst_concept']}) | "
+                     f"{s['ra_mean']:.2f} | {s['ra_worst']:.2f} ({s['ra_worst_concept']}, {s['ra_rel_worst']:.2f}) | "
+                     f"{'yes' if s['passes'] else '**no**'} | {s['unlearning_max_s']:.1f} |")
+    per = ["| method | " + " | ".join(concepts) + " |", "|---|" + "---|" * len(concepts)]
+    per.append("| base (none) | " + " | ".join(f"{base[c].ea_name:.2f} / {base[c].ra_random:.2f}" for c in concepts)
+               + " |")
+    for method in summary:
+        cells = {r.concept: r for r in rows if r.method == method}
+        per.append(f"| {method} | " + " | ".join(
+            f"{cells[c].ea_name:.2f} / {cells[c].ra_random:.2f}" if c in cells else "–" for c in concepts) + " |")
+    seeds = sorted({r.seed for r in rows})
+    n_name = rows[0].n_name if rows else 0
+    n_random = rows[0].n_random if rows else 0
+    presets = "\n".join(f"- **{m}**: `conf/method/{m}.yaml` + `conf/preset/method/{m}_tiny.yaml` → `"
+                        + json.dumps({k: v for k, v in next(r for r in rows if r.method == m).method_config.items()
+                                      if k not in ("name", "version")}, sort_keys=True) + "`"
+                        for m in summary)
+    grid = (f"\nSamples (one row per method, erasing **{concepts[0]}**; columns: "
+            f"{', '.join(repr(p) for p in dict.fromkeys(grid_prompts(concepts[0])))} as 4, 2 and 2 images; "
+            f"seeds 0-7):\n\n![samples]({grid_name})\n" if grid_name else "")
     return f"""# Erasure methods on the tiny world
 
-Erasing **{concept}** from the tiny world with each method at EMMA-like settings scaled down
-(`scripts/eval_methods_tinyworld.py`, `TINYWORLD_SETTINGS`). Images: the tiny world's sampler
-(Euler ancestral, 20 steps, guidance {guidance:g}, 32x32), {seeds} seeds per prompt, judged by the tiny-world
-classifier (top-1 of its shape head with probability >= 0.5). EA = fraction of target-prompt
-images where the {concept} is **not** found; RA = fraction of non-target images where their
-shape **is** found. Prompts are the tiny-world domain's EMMA suite (images per type:
-{", ".join(f"{k} {v}" for k, v in counts.items())}). Unlearning time is wall-clock seconds of
-`erase()` on this machine's CPU (shared with other jobs; compare within the table only).
+Each cell is `python -m emma.run method=M concept=C` with the shipped configs: the method's
+paper defaults (`conf/method/M.yaml`) with its tiny-world preset (`conf/preset/method/M_tiny.yaml`),
+chosen automatically because the default model is the tiny world. Only EA on the name prompt
+and RA on random other shapes are computed (`metrics=rates_only prompt_types=[name,random]`):
+{n_name} name images and {n_random} random-shape images per cell (the domain's 10 images per prompt),
+drawn by the tiny world's sampler (Euler ancestral, 20 steps, guidance 5) and judged by the
+tiny-world classifier. EA = fraction of name-prompt images where the erased shape is **not** found;
+RA = fraction of other-shape images where their shape **is** found (EMMA's definitions).
+A method passes when every shape reaches EA ≥ 0.8 and RA ≥ 0.8 × the base model's RA on the same
+concept. Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on this machine's CPU.
+
+## Summary over {len(concepts)} concepts
 
 {chr(10).join(lines)}
 
-Samples (one row per method; columns: {", ".join(f'"{p}"' for p in dict.fromkeys(grid_prompts(concept)))},
-as 4, 2 and 2 images; seeds 0-7):
+## Per concept (EA name / RA random)
 
-![samples]({grid_name})
+{chr(10).join(per)}
+{grid}
+## Settings (resolved constructor arguments)
 
-Settings (constructor arguments, including the unchanged paper defaults):
-
-{settings}
+{presets}
 
 Command: `{command}` — {time.strftime('%Y-%m-%d %H:%M %Z')}, torch {torch.__version__},
 {torch.get_num_threads()} CPU threads.
@@ -233,47 +218,79 @@ Command: `{command}` — {time.strftime('%Y-%m-%d %H:%M %Z')}, torch {torch.__ve
 
 
 def main(argv: list[str] | None = None) -> None:
-    pipeline_default, classifier_default = default_assets()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pipeline", type=Path, default=pipeline_default)
-    ap.add_argument("--classifier", type=Path, default=classifier_default)
-    ap.add_argument("--concept", default="circle")
-    ap.add_argument("--methods", default=",".join(TINYWORLD_SETTINGS))
-    ap.add_argument("--seeds", type=int, default=16, help="images per prompt")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the erasure")
-    ap.add_argument("--guidance-scale", type=float, default=SAMPLER["guidance_scale"],
-                    help="guidance of the evaluation images (default: conf/model/tinyworld.yaml's)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--concepts", default=",".join(SHAPES))
+    ap.add_argument("--seeds", default="0", help="comma-separated cell seeds (erasure and images)")
+    ap.add_argument("--images-per-prompt", type=int, default=None, help="default: the domain's (10)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "eval-methods")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "methods_tinyworld.md")
-    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    ap.add_argument("--json", type=Path, default=None, help="also write every cell's rates as JSON")
+    ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="write the table from --json files of earlier runs (cells in their order) instead of "
+                         "running cells; the grid is drawn from the cache")
     args = ap.parse_args(argv)
-
-    from classifiers.tinyworld import TinyWorldClassifier
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    base = load_tinyworld(args.pipeline)
-    classifier = TinyWorldClassifier(weights=str(args.classifier))
-    names = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in names if m not in TINYWORLD_SETTINGS]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if not (CONF / "method" / f"{m}.yaml").exists()]
     if unknown:
-        ap.error(f"unknown method(s) {unknown}; valid: {', '.join(TINYWORLD_SETTINGS)}")
-    sampler = {**SAMPLER, "guidance_scale": args.guidance_scale}
-    rows = [evaluate_method(base, classifier, None, args.concept, args.seeds, sampler=sampler, samples=True)]
-    print(f"base: {rows[0].rates}", flush=True)
-    for name in names:
-        row = evaluate_method(base, classifier, name, args.concept, args.seeds, seed=args.seed,
-                              progress=True, sampler=sampler, samples=True)
-        print(f"{name}: {row.unlearning_s:.1f}s {row.rates}", flush=True)
-        rows.append(row)
+        valid = ", ".join(sorted(p.stem for p in (CONF / "method").glob("*.yaml")))
+        ap.error(f"unknown method(s) {unknown}; valid: {valid}")
+    concepts = [c for c in args.concepts.split(",") if c]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    if args.report:
+        base, rows = {}, []
+        for path in args.report:
+            data = json.loads(path.read_text())
+            base.update({b["concept"]: CellRates(**b) for b in data["base"]})
+            rows += [CellRates(**r) for r in data["rows"]]
+        order = {m: i for i, m in enumerate(METHODS)}
+        shape = {c: i for i, c in enumerate(SHAPES)}
+        rows.sort(key=lambda r: (order.get(r.method, len(order)), shape.get(r.concept, len(shape))))
+        methods = list(dict.fromkeys(r.method for r in rows))
+        concepts = [c for c in SHAPES if c in base] + [c for c in base if c not in SHAPES]
+        write_report(args, argv, rows, base, methods, concepts, seeds)
+        return
+    kw = dict(images_per_prompt=args.images_per_prompt, cache_dir=args.cache, threads=args.threads)
+    base = {c: evaluate_cell("none", c, seed=seeds[0], **kw) for c in concepts}
+    print("base: " + ", ".join(f"{c} {r.ea_name:.2f}/{r.ra_random:.2f}" for c, r in base.items()), flush=True)
+    rows: list[CellRates] = []
+    for method in methods:
+        for concept in concepts:
+            for seed in seeds:
+                r = evaluate_cell(method, concept, seed=seed, overrides=args.override, **kw)
+                ok = r.ea_name >= 0.8 and r.ra_random >= 0.8 * base[concept].ra_random
+                print(f"{method:>9} {concept:>9} seed {seed}: EA name {r.ea_name:.2f}  RA random {r.ra_random:.2f} "
+                      f"(base {base[concept].ra_random:.2f})  unlearning {r.unlearning_s:.1f}s  "
+                      f"cell {r.wall_s:.1f}s  {'ok' if ok else 'FAIL'}", flush=True)
+                rows.append(r)
+                if args.json:
+                    args.json.write_text(json.dumps({"base": [asdict(b) for b in base.values()],
+                                                     "rows": [asdict(x) for x in rows]}, indent=1))
+    write_report(args, argv, rows, base, methods, concepts, seeds)
+
+
+def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[CellRates],
+                 base: dict[str, CellRates], methods: list[str], concepts: list[str], seeds: list[int]) -> None:
+    if str(args.out) == os.devnull:
+        return
+    grid_name = None
+    if not args.no_grid:
+        grid_rows = [("base", sample_row("none", concepts[0], args.cache))]
+        grid_rows += [(m, sample_row(m, concepts[0], args.cache, seeds[0])) for m in methods]
+        grid = args.out.with_suffix(".png")
+        save_grid(grid_rows, grid)
+        grid_name = grid.name
     given = argv if argv is not None else sys.argv[1:]
-    command = "python scripts/eval_methods_tinyworld.py " + " ".join(given)
+    command = ("python scripts/eval_methods_tinyworld.py " + " ".join(given)).strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    grid = args.out.with_suffix(".png")
-    save_grid(rows, grid)
-    args.out.write_text(markdown(rows, args.concept, args.seeds, command.strip(), args.guidance_scale,
-                                 grid_name=grid.name))
-    if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in r.__dict__.items() if k != "samples"} for r in rows],
-                                        indent=2, default=str))
+    args.out.write_text(markdown(rows, base, concepts, command, grid_name))
     print(f"wrote {args.out}")
 
 

@@ -127,3 +127,31 @@ def test_root_defaults_name_the_axes():
     for key in ("model", "method", "domain", "attacker", "classifier", "metrics", "logger", "paths"):
         assert key in cfg
     assert "concept" in cfg and "seed" in cfg
+
+
+def _preset_files(group: str) -> list[Path]:
+    return sorted((CONF / "preset" / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", _preset_files("method") + _preset_files("attacker"), ids=lambda p: p.stem)
+def test_every_preset_names_a_component_and_only_its_keys(path):
+    """A preset ``<choice>_<scale>.yaml`` belongs to an existing component and scale, changes
+    only keys the component has (a misspelt key would be passed to its constructor), and is
+    what a model of that scale composes."""
+    from omegaconf import OmegaConf
+
+    group = path.parent.name
+    choice, scale = path.stem.rsplit("_", 1)
+    assert (CONF / group / f"{choice}.yaml").exists(), f"{path.name}: no conf/{group}/{choice}.yaml"
+    assert (CONF / "scale" / f"{scale}.yaml").exists(), f"{path.name}: unknown scale {scale!r}"
+    assert path.read_text().startswith(f"# @package {group}"), f"{path.name} must start with '# @package {group}'"
+    component = OmegaConf.load(CONF / group / f"{choice}.yaml")
+    parents = [OmegaConf.load(CONF / group / f"{d}.yaml") for d in component.get("defaults", []) if d != "_self_"]
+    known = set(component) | {k for p in parents for k in p}
+    preset = OmegaConf.load(path)
+    assert set(preset) - {"defaults"} <= known, f"{path.name}: keys not in {group}/{choice}: {set(preset) - known}"
+    model = {"tiny": "tiny_random", "sd": "sd14", "sdxl": "sdxl"}[scale]
+    cfg = cfg_with(f"model={model}", f"{group}={choice}")
+    for key, value in preset.items():
+        if key != "defaults" and not OmegaConf.is_interpolation(preset, key):
+            assert cfg[group][key] == value, (path.name, key)
