@@ -81,12 +81,17 @@ def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt
     if threads is not None:
         ov.append(f"threads={threads}")
     cfg = compose([*ov, *overrides])
+    before = torch.get_num_threads()
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out:
-        result = run_cell(cfg, out)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            result = run_cell(cfg, out)
+    finally:
+        used = torch.get_num_threads()
+        torch.set_num_threads(before)  # run_cell sets threads= for the whole process
     wall = time.perf_counter() - t0
     m = result.metrics
-    return CellRates(method=method, concept=concept, seed=seed, threads=torch.get_num_threads(),
+    return CellRates(method=method, concept=concept, seed=seed, threads=used,
                      ea_name=m["ea/name"].value, ra_random=m["ra/random"].value, n_name=m["ea/name"].n,
                      n_random=m["ra/random"].n, unlearning_s=m["time/unlearning_s"].value, wall_s=wall,
                      method_config=result.versions["components"]["method"])

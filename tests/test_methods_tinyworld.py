@@ -4,7 +4,8 @@ documented table (docs/methods_tinyworld.md, 8 shapes, scripts/eval_methods_tiny
 
 The floors come from the measured spread over 3 seeds and 1 / 2 torch threads (see the table's
 notes): EA on 6 name images, RA on 30 random-shape images relative to the base model's.
-``EMMA_TEST_METHOD_SEED`` runs the floor tests with another seed (CI runs seed 0).
+``EMMA_TEST_METHOD_SEED`` / ``EMMA_TEST_THREADS`` run the floor tests with another seed / torch
+thread count (CI runs seed 0 on 1 thread).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.skipif(not TINYWORLD_DIR.exists(), reason="the trained 
 CONCEPT = "circle"
 IMAGES = 6
 SEED = int(os.environ.get("EMMA_TEST_METHOD_SEED", "0"))
+THREADS = int(os.environ.get("EMMA_TEST_THREADS", "1"))  # torch threads of the floor tests
 # EA floor: at most 2 of 6 name images show the circle (the base model draws it in all 6);
 # RA floor relative to the base model's RA on the same random shapes.
 EA_FLOOR, RA_FLOOR = 0.65, 0.75
@@ -48,7 +50,7 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def base(cache) -> "ev.CellRates":
-    return ev.evaluate_cell("none", CONCEPT, seed=SEED, images_per_prompt=IMAGES, cache_dir=cache)
+    return ev.evaluate_cell("none", CONCEPT, seed=SEED, images_per_prompt=IMAGES, cache_dir=cache, threads=THREADS)
 
 
 def test_the_base_model_draws_the_concept(base):
@@ -58,7 +60,7 @@ def test_the_base_model_draws_the_concept(base):
 
 @pytest.mark.parametrize("method", ev.METHODS)
 def test_each_method_erases_the_circle(cache, base, method):
-    row = ev.evaluate_cell(method, CONCEPT, seed=SEED, images_per_prompt=IMAGES, cache_dir=cache)
+    row = ev.evaluate_cell(method, CONCEPT, seed=SEED, images_per_prompt=IMAGES, cache_dir=cache, threads=THREADS)
     assert row.ea_name >= EA_FLOOR, row
     assert row.ra_random >= RA_FLOOR * base.ra_random, row
 
