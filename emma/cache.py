@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 TMP_SUFFIX = ".tmp"
+META_CHUNK = "emma"  # PNG text chunk holding an image's generation record
 
 
 def stable_hash(obj: Any) -> str:
@@ -110,16 +111,30 @@ class ImageCache:
         return self.root / key[:2] / f"{key}.png"
 
     def get(self, key: str) -> np.ndarray | None:
+        entry = self.get_entry(key)
+        return None if entry is None else entry[0]
+
+    def get_entry(self, key: str) -> tuple[np.ndarray, dict[str, Any] | None] | None:
+        """The image and the record stored with it (generation timing; ``None`` for entries
+        written before records existed), or ``None`` when the key is not cached."""
         p = self.path(key)
         if not p.exists():
             return None
         with Image.open(p) as im:
-            return np.asarray(im.convert("RGB"))
+            text = getattr(im, "text", {}).get(META_CHUNK)
+            return np.asarray(im.convert("RGB")), (json.loads(text) if text else None)
 
-    def put(self, key: str, image: np.ndarray) -> str:
-        """Store a (H, W, 3) uint8 image; returns the sha256 of the pixels."""
+    def put(self, key: str, image: np.ndarray, meta: dict[str, Any] | None = None) -> str:
+        """Store a (H, W, 3) uint8 image, with ``meta`` (JSON) in a PNG text chunk of the
+        same file; returns the sha256 of the pixels."""
+        from PIL.PngImagePlugin import PngInfo
+
         buf = io.BytesIO()
-        Image.fromarray(image).save(buf, format="PNG", compress_level=1)
+        info = None
+        if meta is not None:
+            info = PngInfo()
+            info.add_text(META_CHUNK, json.dumps(meta, sort_keys=True))
+        Image.fromarray(image).save(buf, format="PNG", compress_level=1, pnginfo=info)
         atomic_write_bytes(self.path(key), buf.getvalue(), fsync=False)
         return pixel_hash(image)
 

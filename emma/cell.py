@@ -21,19 +21,18 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from emma import quality
+from emma import finished, quality
 from emma.api.attacker import Attacker
 from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
-from emma.api.types import EA_TYPES, RA_TYPES, PromptRequest, Sample
+from emma.api.types import PromptRequest, Sample
 from emma.cache import ImageCache, ScoreCache, atomic_write_text, sha256_file
 from emma.erase import erase_cached
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.evaluate import judge_requests
 from emma.generate import CachedGenerator, GenerationTarget, Judge
-from emma.metrics.base import MetricValue
-from emma.metrics.rates import AttackSuccessRate, ErasingAbility, RetainingAbility
+from emma.metrics import cell_metrics
 from emma.pipelines import fingerprint, load_pipeline
 from emma.results import CellInfo, CellResult
 
@@ -128,36 +127,14 @@ def preset_choices() -> dict[str, str]:
     return {**out, "scale": scale} if scale else out
 
 
-def rate_metrics(samples: list[Sample], attack_samples: list[Sample], seed: int) -> dict[str, MetricValue]:
-    """EA per prompt type, RA per type, ASR (post-attack) and ``asr/pre`` (the attack
-    requests' original prompts, i.e. before the attacker changed them)."""
-    out: dict[str, MetricValue] = {}
-    for kind in EA_TYPES:
-        det = [s.detected for s in samples if s.group == "ea" and s.kind == kind]
-        if det:
-            m = ErasingAbility(seed=seed)
-            m.update(det)
-            out[f"ea/{kind}"] = m.compute()
-    for kind in RA_TYPES:
-        det = [s.detected for s in samples if s.group == "ra" and s.kind == kind]
-        if det:
-            m = RetainingAbility(seed=seed)
-            m.update(det)
-            out[f"ra/{kind}"] = m.compute()
-    if attack_samples:
-        m = AttackSuccessRate(seed=seed)
-        m.update([s.detected for s in attack_samples])
-        out["asr"] = m.compute()
-        pre = AttackSuccessRate(seed=seed)
-        pre.update([s.detected for s in samples if s.group == "ea"])
-        out["asr/pre"] = pre.compute()
-    return out
-
-
 def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     """Run one cell and write ``results.json`` and ``samples.jsonl`` into ``output_dir``."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    key = finished.cell_key(cfg)  # inputs as they are now, before anything runs
+    hit = finished.lookup(cfg, output_dir)
+    if hit is not None:  # a finished cell with these inputs: its stored result, no pipeline
+        return CellResult.load(hit)
     timing: dict[str, float] = {}
     notes: list[str] = []
     cache_root = Path(cfg.paths.cache_dir).expanduser()
@@ -215,12 +192,14 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
 
     generator = make_generator(erased.pipe, erased.fingerprint)
     t = time.perf_counter()
-    samples: list[Sample] = []
+    suite: list[tuple[PromptRequest, list[Sample]]] = []
     for name in dict.fromkeys(judges.name_for(r) for r in requests):
         group = [r for r in requests if judges.name_for(r) == name]
         target = GenerationTarget(generator, judges.get(name))
         per_request = judge_requests(target, group, progress=f"suite: {domain.name}/{concept}")
-        samples += [s for reqs in per_request for s in reqs]
+        suite += list(zip(group, per_request))
+    samples: list[Sample] = [s for _, reqs in suite for s in reqs]
+    suite_records = dict(generator.records)  # timing of the suite images (stored with them)
     timing["suite_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -229,10 +208,9 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     if attack_requests:  # prompt_types may leave only RA prompts: then there is nothing to attack
         target = GenerationTarget(generator, judges.for_request(attack_requests[0]))
         outputs = attacker.attack(target, attack_requests)
-    attack_samples = [s for o in outputs for s in o.samples]
     timing["attack_s"] = time.perf_counter() - t
 
-    metrics = rate_metrics(samples, attack_samples, seed=int(cfg.seed))
+    metrics = cell_metrics.rate_metrics(suite, outputs, seed=int(cfg.seed))
     suite_judge = judges.for_request(requests[0]).classifier
     if cfg.metrics.fid.enabled:
         t = time.perf_counter()
@@ -251,10 +229,13 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
                                             quality.similarities(domain.name, suite_judge, notes),
                                             int(bias_cfg.n_resamples), int(cfg.seed)))
         timing["bias_s"] = time.perf_counter() - t
-    metrics["time/unlearning_s"] = MetricValue(value=erased.unlearning_s, n=1)
-    if generator.images_generated:
-        metrics["time/inference_s_per_image"] = MetricValue(
-            value=generator.generation_seconds / generator.images_generated, n=generator.images_generated)
+    provenance: dict[str, Any] = {}
+    metrics["time/unlearning_s"], provenance["time/unlearning_s"] = cell_metrics.unlearning_time(
+        erased.unlearning_s, erased.manifest, erased.cached)
+    inference, provenance["time/inference_s_per_image"] = cell_metrics.inference_time(suite_records, int(cfg.seed))
+    if inference is not None:
+        metrics["time/inference_s_per_image"] = inference
+    notes += cell_metrics.timing_notes(provenance)
 
     random_judges = [j.classifier.name for j in judges.all() if j.classifier.weights_hash() is None]
     if random_judges or cfg.model.kind == "tiny_random":
@@ -297,13 +278,16 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         cell=CellInfo(model=cfg.model.name, method=method.name, domain=domain.name, concept=concept,
                       attacker=attacker.name, classifier=suite_judge.name),
         config=OmegaConf.to_container(cfg, resolve=True),
-        versions=versions, timing=timing, counts=counts, notes=notes,
+        versions=versions, timing=timing, counts=counts, notes=notes, provenance=provenance,
     )
     lines = [json.dumps(s.to_json()) for s in samples]
-    lines += [json.dumps({**s.to_json(), "group": "attack", "adversarial_prompt": o.adversarial_prompt})
-              for o in outputs for s in o.samples]
+    lines += [json.dumps({**s.to_json(), "group": "attack", "adversarial_prompt": o.adversarial_prompt,
+                          "attack_index": i, "attack_success": bool(o.success)})
+              for i, o in enumerate(outputs) for s in o.samples]
     atomic_write_text(output_dir / "samples.jsonl", "\n".join(lines) + "\n")
     result.save(output_dir / "results.json")  # last: its presence marks a finished cell
+    if finished.enabled(cfg):
+        finished.store(cfg, output_dir, key)
     return result
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from emma.pipelines import ModelConfig
+from emma.model_config import ModelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS: tuple[str, ...] = ("model", "method", "domain", "attacker", "classifier", "metrics",
@@ -25,7 +25,15 @@ GROUPS: tuple[str, ...] = ("model", "method", "domain", "attacker", "classifier"
 
 @dataclasses.dataclass
 class PathsConfig:
+    """Args:
+        cache_dir: the one root of every cache (images, scores, erased models, weights,
+            FID statistics, finished results).
+        reuse_results: serve a finished cell whose inputs hash to a stored result from the
+            cache (:mod:`emma.finished`); ``false`` recomputes from the image/score caches.
+    """
+
     cache_dir: str = "~/.cache/emma"
+    reuse_results: bool = True
 
 
 @dataclasses.dataclass

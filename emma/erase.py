@@ -30,6 +30,7 @@ import torch
 from emma.api.method import ErasureMethod
 from emma.cache import TMP_SUFFIX, atomic_write_text, stable_hash, sweep_stale_tmp
 from emma.errors import ConfigError
+from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint
 
 
@@ -115,6 +116,7 @@ def erase_cached(
         "wall_time_s": wall,
         "peak_memory_mb": _peak_memory_mb(device),
         "device": str(device),
+        "machine": machine_description(device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     tmp = root / f".{key}.{os.getpid()}{TMP_SUFFIX}"

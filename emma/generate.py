@@ -57,6 +57,19 @@ class CachedGenerator:
         self.images_generated = 0
         self.images_cached = 0
         self.generation_seconds = 0.0
+        self.batches_run = 0
+        # image key -> timing record of every image served (stored with the image; cached
+        # images replay the record of the run that generated them)
+        self.records: dict[str, dict[str, Any] | None] = {}
+        self._machine: str | None = None
+
+    @property
+    def machine(self) -> str:
+        if self._machine is None:
+            from emma.metrics.timing import machine_description
+
+            self._machine = machine_description(getattr(self.pipe, "device", "cpu"))
+        return self._machine
 
     def settings(self) -> dict[str, Any]:
         sched = self.pipe.scheduler
@@ -115,8 +128,12 @@ class CachedGenerator:
         if len(seeds) != n:
             raise ValueError(f"generate() got {n} prompts but {len(seeds)} seeds; give one seed per image")
         keys = [self.image_key(ids[i], seeds[i], neg) for i in range(n)]
-        out: list[np.ndarray | None] = [self.cache.get(k) for k in keys]
+        entries = [self.cache.get_entry(k) for k in keys]
+        out: list[np.ndarray | None] = [e[0] if e is not None else None for e in entries]
         cached = [o is not None for o in out]
+        for k, e in zip(keys, entries):
+            if e is not None:
+                self.records[k] = {**e[1], "replayed": True} if e[1] else None
         todo = [i for i in range(n) if out[i] is None]
         self.images_cached += n - len(todo)
         bar = tqdm(total=len(todo), desc=progress if isinstance(progress, str) else "generate",
@@ -129,9 +146,16 @@ class CachedGenerator:
                 prompt_embeds[idx] if prompt_embeds is not None else None,
                 [seeds[i] for i in idx], neg,
             )
-            self.generation_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.generation_seconds += seconds
+            # the first pipeline call of a generator pays one-time costs (allocation, kernel
+            # selection): marked as warm-up, and left out of time/inference_s_per_image
+            meta = {"gen_s": seconds / len(idx), "batch": stable_hash([keys[i] for i in idx])[:16],
+                    "batch_size": len(idx), "warmup": self.batches_run == 0, "machine": self.machine}
+            self.batches_run += 1
             for j, i in enumerate(idx):
-                self.cache.put(keys[i], images[j])
+                self.cache.put(keys[i], images[j], meta=meta)
+                self.records[keys[i]] = {**meta, "replayed": False}
                 out[i] = images[j]
             self.images_generated += len(idx)
             bar.update(len(idx))

@@ -15,7 +15,11 @@ from typing import Any
 from emma.cache import atomic_write_text
 from emma.metrics.base import MetricValue
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: versions :meth:`CellResult.from_json` still reads. 1 -> 2: metrics gained ``method``,
+#: ``n_clusters``, ``note``, ``n_excluded``; results gained ``provenance``. A version-1 file
+#: loads with those fields empty (its intervals are the older percentile bootstrap over images).
+READABLE_SCHEMA_VERSIONS = (1, 2)
 SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|authorization)", re.I)
 REDACTED = "***"
 
@@ -43,6 +47,8 @@ class CellResult:
         timing: wall seconds per stage.
         counts: ``images_generated``, ``images_cached``, ...
         notes: caveats a reader must see (e.g. random weights: plumbing only).
+        provenance: where replayed measurements come from (``time/...``: machine, replayed
+            or measured now; ``fid``: the reference statistics).
     """
 
     metrics: dict[str, MetricValue]
@@ -52,6 +58,7 @@ class CellResult:
     timing: dict[str, float]
     counts: dict[str, int]
     notes: list[str] = dataclasses.field(default_factory=list)
+    provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -64,6 +71,7 @@ class CellResult:
             "timing": self.timing,
             "counts": self.counts,
             "notes": self.notes,
+            "provenance": self.provenance,
         }
 
     def save(self, path: str | Path) -> None:
@@ -72,8 +80,14 @@ class CellResult:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "CellResult":
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"results.json schema_version {version!r}; this harness reads {SCHEMA_VERSION}")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise ValueError(f"results.json schema_version {version!r}; this harness reads "
+                             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+        fields = {f.name for f in dataclasses.fields(MetricValue)}
+        for key, v in data.get("metrics", {}).items():
+            unknown = set(v) - fields
+            if unknown:
+                raise ValueError(f"results.json metric {key!r} has unknown fields {sorted(unknown)}")
         missing = {"cell", "metrics", "config", "versions", "timing", "counts"} - set(data)
         if missing:
             raise ValueError(f"results.json lacks {sorted(missing)}")
@@ -85,6 +99,8 @@ class CellResult:
             timing=data["timing"],
             counts=data["counts"],
             notes=list(data.get("notes", [])),
+            provenance=dict(data.get("provenance", {})),
+            schema_version=int(version),
         )
 
     @classmethod

@@ -11,12 +11,28 @@ import numpy as np
 
 @dataclasses.dataclass
 class MetricValue:
-    """A metric's value with its 95% confidence interval and sample count."""
+    """A metric's value with its 95% confidence interval and sample count.
+
+    Attributes:
+        value: the point estimate.
+        ci_low / ci_high: the interval (``None``: no interval, ``note`` says why).
+        n: the population the value is over (images, prompts, batches: docs/metrics.md).
+        method: how the interval was computed (``wilson``, ``cluster-bootstrap-percentile``,
+            ...; ``None`` without an interval).
+        n_clusters: the independent units the interval resamples or counts (prompts,
+            batches); ``None`` where not applicable.
+        note: why an interval is absent, or another caveat of this value.
+        n_excluded: items left out of the denominator (e.g. images without a face for GCD).
+    """
 
     value: float
     ci_low: float | None = None
     ci_high: float | None = None
     n: int = 0
+    method: str | None = None
+    n_clusters: int | None = None
+    note: str | None = None
+    n_excluded: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -15,12 +15,37 @@ measurement has no interval.
 
 from __future__ import annotations
 
+import platform
 import time
-from typing import ClassVar
+from functools import cache
+from typing import Any, ClassVar
 
 import numpy as np
 
 from emma.metrics.base import Metric, MetricValue, bootstrap_ci
+
+
+@cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(device: Any = "cpu") -> str:
+    """The hardware a time was measured on: device (GPU name), CPU model, torch threads.
+    Stored with every timing so a replayed time says where it was measured."""
+    import torch
+
+    dev = str(device)
+    if dev.startswith("cuda") and torch.cuda.is_available():
+        dev = f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
+    return f"{dev}; {_cpu_model()}; torch threads {torch.get_num_threads()}"
 
 
 class Stopwatch:
