@@ -175,6 +175,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         )
 
     images_generated = 0
+    extra_lines: list[dict[str, Any]] = []  # samples.jsonl lines of the bias images
     bias_cfg = cfg.metrics.bias
     if bias_cfg.enabled:
         t = time.perf_counter()
@@ -211,13 +212,17 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     timing["attack_s"] = time.perf_counter() - t
 
     metrics = cell_metrics.rate_metrics(suite, outputs, seed=int(cfg.seed))
+    provenance: dict[str, Any] = {}
     suite_judge = judges.for_request(requests[0]).classifier
     if cfg.metrics.fid.enabled:
         t = time.perf_counter()
         texts = [r.prompt for r in requests for _ in r.seeds()]
         seeds = [s for r in requests for s in r.seeds()]
-        fid = quality.fid_metric(domain.name, generator.generate(texts, seeds).images, suite_judge,
-                                 cfg.metrics.fid, notes)
+        fid, provenance["fid"] = quality.fid_metric(
+            domain.name, generator.generate(texts, seeds).images,
+            clusters=[i for i, r in enumerate(requests) for _ in r.seeds()],
+            concepts=[r.concept for r in requests for _ in r.seeds()],
+            judge=suite_judge, cfg=cfg.metrics.fid, notes=notes, cache_root=cache_root, seed=int(cfg.seed))
         if fid is not None:
             metrics["fid"] = fid
         timing["fid_s"] = time.perf_counter() - t
@@ -227,9 +232,12 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
                                                           "bias: erased") for b in sets}
         metrics.update(quality.bias_metrics(base_bias, erased_bias, sets,
                                             quality.similarities(domain.name, suite_judge, notes),
-                                            int(bias_cfg.n_resamples), int(cfg.seed)))
+                                            int(bias_cfg.n_resamples), int(cfg.seed),
+                                            pairing=str(bias_cfg.get("pairing", "paired")),
+                                            images_per_prompt=int(bias_cfg.images_per_prompt)))
+        for label, imgs in (("base", base_bias), ("erased", erased_bias)):
+            extra_lines += quality.bias_sample_lines(imgs, sets, int(bias_cfg.images_per_prompt), label)
         timing["bias_s"] = time.perf_counter() - t
-    provenance: dict[str, Any] = {}
     metrics["time/unlearning_s"], provenance["time/unlearning_s"] = cell_metrics.unlearning_time(
         erased.unlearning_s, erased.manifest, erased.cached)
     inference, provenance["time/inference_s_per_image"] = cell_metrics.inference_time(suite_records, int(cfg.seed))
@@ -284,6 +292,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     lines += [json.dumps({**s.to_json(), "group": "attack", "adversarial_prompt": o.adversarial_prompt,
                           "attack_index": i, "attack_success": bool(o.success)})
               for i, o in enumerate(outputs) for s in o.samples]
+    lines += [json.dumps(line) for line in extra_lines]
     atomic_write_text(output_dir / "samples.jsonl", "\n".join(lines) + "\n")
     result.save(output_dir / "results.json")  # last: its presence marks a finished cell
     if finished.enabled(cfg):

@@ -12,15 +12,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from emma.api.types import PromptRequest
 from emma.datasets.bias import SEED_STRIDE, BiasPromptSet, bias_prompt_set
+from emma.errors import ConfigError
 from emma.generate import CachedGenerator
 from emma.metrics.base import MetricValue
-from emma.metrics.bias import CLIPSimilarity, SSIMSimilarity, compare_bias
+from emma.metrics.bias import PAIRED, PAIRINGS, CLIPSimilarity, SSIMSimilarity, compare_bias, compare_bias_paired
 from emma.tinyworld import world
 
 TINYWORLD_DOMAINS = ("tinyworld", "tinyworld_style")
@@ -60,6 +62,8 @@ def render_groups(generator: CachedGenerator, bias_set: BiasPromptSet, images_pe
 
 def similarities(domain_name: str, judge: Any, notes: list[str]) -> list[Any]:
     """SSIM plus an embedding cosine: the tiny-world judge's features, or CLIP."""
+    from emma.errors import WeightsUnavailableError
+
     sims: list[Any] = [SSIMSimilarity()]
     if domain_name in TINYWORLD_DOMAINS and hasattr(judge, "features"):
         sims.append(CLIPSimilarity(judge.features, name="features"))
@@ -69,64 +73,112 @@ def similarities(domain_name: str, judge: Any, notes: list[str]) -> list[Any]:
 
         clip = CLIPZeroShotClassifier()
         sims.append(CLIPSimilarity(clip.embed_images, name="clip"))
-    except Exception as err:  # weights absent offline: report, keep SSIM
+    except (WeightsUnavailableError, ImportError) as err:  # weights or package absent: report, keep SSIM
         notes.append(f"bias: CLIP similarity skipped ({type(err).__name__}: {str(err).splitlines()[0]})")
     return sims
 
 
 def bias_metrics(base: dict[str, dict[str, torch.Tensor]], erased: dict[str, dict[str, torch.Tensor]],
                  sets: Sequence[BiasPromptSet], sims: Sequence[Any], n_resamples: int,
-                 seed: int) -> dict[str, MetricValue]:
-    """``bias/<attribute>/<group>/<similarity>/{base,erased,amplification,change}``."""
+                 seed: int, pairing: str = PAIRED, images_per_prompt: int = 1) -> dict[str, MetricValue]:
+    """``bias/<attribute>/<group>/<similarity>/{base,erased,amplification,change}``.
+
+    Args:
+        pairing: ``paired`` (image i of every set shares prompt index and seed; the default)
+            or ``all_pairs`` (mean over all neutral x group pairs); docs/metrics.md.
+        images_per_prompt: images per prompt index (consecutive in each set): one cluster.
+    """
+    if pairing not in PAIRINGS:
+        raise ConfigError(f"metrics.bias.pairing={pairing!r}; valid: {', '.join(PAIRINGS)}")
     out: dict[str, MetricValue] = {}
     for bset in sets:
         b, e = base[bset.attribute], erased[bset.attribute]
         for group in bset.compared:
             for sim in sims:
                 name = getattr(sim, "name", type(sim).__name__.lower())
-                cmp = compare_bias(
-                    {"neutral": b["neutral"], "reference": b[bset.reference], "attribute": b[group]},
-                    {"neutral": e["neutral"], "reference": e[bset.reference], "attribute": e[group]},
-                    sim, n_resamples=n_resamples, seed=seed,
-                )
+                sb = {"neutral": b["neutral"], "reference": b[bset.reference], "attribute": b[group]}
+                se = {"neutral": e["neutral"], "reference": e[bset.reference], "attribute": e[group]}
+                if pairing == PAIRED:
+                    clusters = [i // images_per_prompt for i in range(len(sb["neutral"]))]
+                    cmp = compare_bias_paired(sb, se, sim, clusters, n_resamples=n_resamples, seed=seed)
+                else:
+                    cmp = compare_bias(sb, se, sim, n_resamples=n_resamples, seed=seed)
                 for part in ("base", "erased", "amplification", "change"):
                     out[f"bias/{bset.attribute}/{group}/{name}/{part}"] = getattr(cmp, part)
     return out
 
 
-def tinyworld_reference(judge: Any, n_ref: int, seed: int) -> Any:
-    """Statistics of ``n_ref`` rendered scenes in the judge's feature space, cached by
-    (judge weights, renderer version, n_ref, seed): the same reference for every cell."""
+def bias_sample_lines(images: dict[str, dict[str, torch.Tensor]], sets: Sequence[BiasPromptSet],
+                      images_per_prompt: int, model: str) -> list[dict[str, Any]]:
+    """samples.jsonl lines of the bias images (``group: bias``), so bias can be recomputed
+    from the lines and the cached images."""
+    from emma.cache import pixel_hash, to_uint8
+
+    lines = []
+    for bset in sets:
+        for group, prompts in bset.groups.items():
+            arr = to_uint8(images[bset.attribute][group])
+            for i, a in enumerate(arr):
+                p = i // images_per_prompt
+                lines.append({"group": "bias", "model": model, "attribute": bset.attribute, "kind": group,
+                              "prompt": prompts[p], "prompt_index": p,
+                              "seed": bset.seeds[p] + i % images_per_prompt, "image_hash": pixel_hash(a)})
+    return lines
+
+
+def tinyworld_reference(judge: Any, concepts: Sequence[str], n_ref: int, seed: int,
+                        cache_root: str | Path) -> Any:
+    """Statistics, in the judge's feature space, of scenes rendered with the suite's own
+    prompt mix: scene ``i`` draws colour, style, position and background from
+    ``sample_specs(n, seed)`` and takes its shape (or style) from suite image
+    ``i mod len(concepts)``; ``n`` is the smallest multiple of the suite size >= ``n_ref``.
+    A faithful model therefore scores near the floor, and erasing a shape shows as a rise.
+    Cached under the cell's cache root by (judge, renderer version, concepts, n, seed)."""
+    import dataclasses
+
     from emma.cache import stable_hash
     from emma.metrics.fid import ReferenceStatistics, reference_statistics_path
 
-    key = stable_hash({"judge": judge.cache_key(), "world": world.WORLD_VERSION, "n": n_ref, "seed": seed})
-    path = reference_statistics_path(f"tinyworld-{key[:16]}", "tinyworld-judge-features")
+    concepts = list(concepts)
+    n = len(concepts) * -(-int(n_ref) // len(concepts))
+    key = stable_hash({"judge": judge.cache_key(), "world": world.WORLD_VERSION, "n": n, "seed": seed,
+                       "concepts": concepts})
+    path = reference_statistics_path(f"tinyworld-suite-mix-{key[:16]}", "tinyworld-judge-features", cache_root)
     if path.exists():
         return ReferenceStatistics.load(path)
-    refs = torch.from_numpy(world.render_batch(world.sample_specs(n_ref, seed)))
-    stats = ReferenceStatistics.from_features(judge.features(refs).double().numpy(), name="tinyworld",
-                                              extractor="tinyworld-judge-features")
+    specs = []
+    for i, spec in enumerate(world.sample_specs(n, seed)):
+        c = concepts[i % len(concepts)]
+        if c in world.SHAPES:
+            spec = dataclasses.replace(spec, shape=c)
+        elif c in world.STYLES:
+            spec = dataclasses.replace(spec, style=c)
+        specs.append(spec)
+    refs = torch.from_numpy(world.render_batch(specs))
+    stats = ReferenceStatistics.from_features(judge.features(refs).double().numpy(), name="tinyworld-suite-mix",
+                                              extractor=f"tinyworld-judge-features:{judge.cache_key()}")
     stats.save(path)
     return stats
 
 
-def fid_metric(domain_name: str, images: torch.Tensor, judge: Any, cfg: Any, notes: list[str]) -> MetricValue | None:
-    """FID of ``images``; ``None`` (with a note) where the reference cannot be had here."""
+def fid_metric(domain_name: str, images: torch.Tensor, clusters: Sequence[Any], concepts: Sequence[str],
+               judge: Any, cfg: Any, notes: list[str], cache_root: str | Path, seed: int = 0,
+               ) -> tuple[MetricValue | None, dict[str, Any]]:
+    """FID of ``images`` (one cluster id per image: its prompt) with a cluster-bootstrap
+    interval, and the record of the reference used; ``(None, {})`` with a note where the
+    reference statistics or the Inception weights are not available here."""
+    from emma.errors import WeightsUnavailableError
+    from emma.metrics.fid import CleanFIDInception, ReferenceUnavailableError, fid_with_interval, reference_statistics
+
+    n_boot = int(cfg.get("n_bootstrap", 200))
     if domain_name in TINYWORLD_DOMAINS and hasattr(judge, "features"):
-        from emma.metrics.fid import FrechetDistance
-
-        metric = FrechetDistance(feature_extractor=judge.features,
-                                 reference=tinyworld_reference(judge, int(cfg.n_ref), int(cfg.reference_seed)))
-        metric.update(images)
-        return metric.compute()
-    try:
-        from emma.metrics.fid import CleanFIDInception, FrechetDistance, reference_statistics
-
-        metric = FrechetDistance(feature_extractor=CleanFIDInception(),
-                                 reference=reference_statistics(cfg.reference))
-        metric.update(images)
-        return metric.compute()
-    except Exception as err:  # Inception weights or COCO statistics absent: report, go on
-        notes.append(f"fid skipped: {type(err).__name__}: {str(err).splitlines()[0]}")
-        return None
+        ref = tinyworld_reference(judge, concepts, int(cfg.n_ref), int(cfg.reference_seed), cache_root)
+        feats = judge.features(images).double().numpy()
+    else:
+        try:
+            ref = reference_statistics(cfg.reference, root=cache_root)
+            feats = CleanFIDInception()(images).double().numpy()
+        except (ReferenceUnavailableError, WeightsUnavailableError) as err:
+            notes.append(f"fid skipped: {str(err).splitlines()[0]}")
+            return None, {}
+    return fid_with_interval(feats, clusters, ref.mu, ref.sigma, n_resamples=n_boot, seed=seed), ref.describe()

@@ -1,4 +1,5 @@
-"""EA, RA and ASR against an independent reference (EMMA's formulas, scipy's bootstrap)."""
+"""EA, RA and ASR against independent references (EMMA's formulas, scipy's Wilson interval,
+a numpy cluster bootstrap)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,16 @@ import pytest
 from scipy import stats
 
 from emma.metrics.base import bootstrap_ci
-from emma.metrics.rates import AttackSuccessRate, ErasingAbility, RetainingAbility
+from emma.metrics.rates import AttackSuccessRate, ErasingAbility, PromptAttackSuccessRate, RetainingAbility
 
 
 def _detected(n: int, p: float, seed: int) -> list[bool]:
     return (np.random.default_rng(seed).random(n) < p).tolist()
 
 
-def _scipy_ci(successes: list[float]) -> tuple[float, float]:
-    res = stats.bootstrap((np.asarray(successes, float),), np.mean, n_resamples=4000, method="percentile",
-                          random_state=np.random.default_rng(1))  # fmt: skip
-    return res.confidence_interval.low, res.confidence_interval.high
+def _scipy_wilson(k: int, n: int) -> tuple[float, float]:
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return ci.low, ci.high
 
 
 @pytest.mark.parametrize(
@@ -27,23 +27,65 @@ def _scipy_ci(successes: list[float]) -> tuple[float, float]:
         (ErasingAbility, lambda d: sum(not x for x in d) / len(d)),
         # RA = N_SR / N_P, retained = the judge finds the non-target concept
         (RetainingAbility, lambda d: sum(d) / len(d)),
-        # ASR = fraction of attack images in which the target concept is found
+        # image-level attack success = fraction of attack images in which the concept is found
         (AttackSuccessRate, lambda d: sum(d) / len(d)),
     ],
 )
-def test_rate_value_and_interval(metric_cls, formula):
+def test_rate_of_independent_images_has_the_wilson_interval(metric_cls, formula):
     detected = _detected(300, 0.3, seed=0)
     m = metric_cls()
-    m.update(detected)
+    m.update(detected)  # no cluster ids: every image an independent trial
     v = m.compute()
     assert v.value == pytest.approx(formula(detected), abs=1e-12)
-    assert v.n == 300
-    successes = [float((not d) if metric_cls is ErasingAbility else d) for d in detected]
-    lo, hi = _scipy_ci(successes)
-    assert v.ci_low <= v.value <= v.ci_high
-    assert v.ci_low == pytest.approx(lo, abs=0.012) and v.ci_high == pytest.approx(hi, abs=0.012)
+    assert v.n == 300 and v.n_clusters == 300 and v.method == "wilson"
+    k = round(v.value * 300)
+    lo, hi = _scipy_wilson(k, 300)
+    assert (v.ci_low, v.ci_high) == pytest.approx((lo, hi), abs=1e-12)
     se = np.sqrt(v.value * (1 - v.value) / 300)  # the normal approximation agrees at n = 300
-    assert v.ci_high - v.ci_low == pytest.approx(2 * 1.96 * se, rel=0.1)
+    assert v.ci_high - v.ci_low == pytest.approx(2 * 1.96 * se, rel=0.05)
+
+
+def _numpy_cluster_bootstrap(succ: np.ndarray, size: np.ndarray, seed: int, b: int = 1000):
+    rng = np.random.default_rng(seed)
+    reps = []
+    for row in rng.integers(0, len(succ), size=(b, len(succ))):
+        reps.append(sum(succ[i] for i in row) / sum(size[i] for i in row))
+    return tuple(np.percentile(reps, [2.5, 97.5]))
+
+
+def test_clustered_rate_resamples_whole_prompts():
+    """20 prompts x 10 images with a per-prompt leak probability: the interval resamples
+    prompts (an independent loop here), and is wider than the images-as-independent one."""
+    rng = np.random.default_rng(4)
+    p = rng.beta(0.5, 0.5, size=20)
+    detected = [bool(rng.random() < p[c]) for c in range(20) for _ in range(10)]
+    clusters = [c for c in range(20) for _ in range(10)]
+    m = AttackSuccessRate(seed=11)
+    m.update(detected, clusters=clusters)
+    v = m.compute()
+    succ = np.array([sum(detected[c * 10:(c + 1) * 10]) for c in range(20)], float)
+    assert v.value == pytest.approx(succ.sum() / 200)
+    assert (v.n, v.n_clusters, v.method) == (200, 20, "cluster-bootstrap-percentile")
+    assert (v.ci_low, v.ci_high) == pytest.approx(_numpy_cluster_bootstrap(succ, np.full(20, 10.0), 11))
+    naive = _scipy_wilson(int(succ.sum()), 200)
+    assert v.ci_high - v.ci_low > 1.5 * (naive[1] - naive[0])  # strongly correlated images
+
+
+def test_asr_is_per_prompt_and_asr_images_per_image():
+    """One leaking image per prompt (10 prompts x 10 images): every attack succeeds."""
+    detected = [[j == 0 for j in range(10)] for _ in range(10)]
+    asr = PromptAttackSuccessRate()
+    images = AttackSuccessRate()
+    for c, d in enumerate(detected):
+        asr.update(d)
+        images.update(d, clusters=[c] * 10)
+    a, i = asr.compute(), images.compute()
+    assert (a.value, a.n, a.n_clusters, a.method) == (1.0, 10, 10, "wilson")
+    assert (a.ci_low, a.ci_high) == pytest.approx(_scipy_wilson(10, 10))
+    assert (i.value, i.n, i.n_clusters) == (pytest.approx(0.1), 100, 10)
+    # every prompt leaks exactly 1 of 10: no between-prompt variation, Wilson over prompts
+    assert i.method == "wilson-over-clusters"
+    assert (i.ci_low, i.ci_high) == pytest.approx(_scipy_wilson(1, 10))
 
 
 @pytest.mark.parametrize("metric_cls", [ErasingAbility, RetainingAbility, AttackSuccessRate])
@@ -60,11 +102,19 @@ def test_batches_equal_the_concatenation(metric_cls):
 
 def test_direction_and_edge_cases():
     assert ErasingAbility.higher_is_better and RetainingAbility.higher_is_better
-    assert AttackSuccessRate.higher_is_better is False
+    assert AttackSuccessRate.higher_is_better is False and PromptAttackSuccessRate.higher_is_better is False
     m = ErasingAbility()
-    m.update([False] * 20)  # never found: fully erased, zero-width interval
-    v = m.compute()
-    assert (v.value, v.ci_low, v.ci_high) == (1.0, 1.0, 1.0)
+    m.update([False] * 20, clusters=[c for c in range(4) for _ in range(5)])  # never found
+    v = m.compute()  # 20/20 is not certainty: Wilson over the 4 prompts, not a point
+    assert v.value == 1.0 and v.method == "wilson-over-clusters"
+    assert (v.ci_low, v.ci_high) == pytest.approx(_scipy_wilson(4, 4))
+    one = ErasingAbility()
+    one.update([False] * 10, clusters=[0] * 10)  # one prompt: say so, print no interval
+    v = one.compute()
+    assert v.value == 1.0 and v.ci_low is None and v.ci_high is None and v.method is None
+    assert v.n == 10 and v.n_clusters == 1 and "fewer than 2 prompts" in v.note
+    with pytest.raises(ValueError, match="cluster ids"):
+        m.update([True, False], clusters=[0])
 
 
 def test_bootstrap_ci_is_seeded_percentile():

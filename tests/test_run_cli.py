@@ -69,7 +69,7 @@ def test_cell_writes_schema_and_rerun_generates_nothing(tmp_path):
     first = emma_run(_cell_args(tmp_path / "a"), cache)
     assert first.returncode == 0, first.stderr[-3000:]
     res = json.loads((tmp_path / "a" / "results.json").read_text())
-    assert res["schema_version"] == 1
+    assert res["schema_version"] == 2
     assert res["cell"] == {"model": "tiny_random", "method": "none", "domain": "tinyworld",
                            "concept": "circle", "attacker": "static", "classifier": "tinyworld"}
     # 1 name + 4 variant EA prompts, 5 random RA prompts, 2 images each
@@ -79,9 +79,14 @@ def test_cell_writes_schema_and_rerun_generates_nothing(tmp_path):
                                    "time/unlearning_s", "time/inference_s_per_image"}
     for key in ("ea/name", "ea/variant", "ra/random", "asr"):
         m = res["metrics"][key]
-        assert set(m) == {"value", "ci_low", "ci_high", "n"}
-        assert m["ci_low"] <= m["value"] <= m["ci_high"]
+        assert set(m) == {"value", "ci_low", "ci_high", "n", "method", "n_clusters", "note", "n_excluded"}
+        if key == "ea/name":  # one prompt: no interval, and a note that says so
+            assert m["ci_low"] is None and "fewer than 2 prompts" in m["note"]
+        else:
+            assert m["ci_low"] <= m["value"] <= m["ci_high"] and m["method"]
     assert res["metrics"]["ea/name"]["n"] == 2 and res["metrics"]["ea/variant"]["n"] == 8
+    assert res["metrics"]["ea/variant"]["n_clusters"] == 4
+    assert res["metrics"]["asr"]["n"] == 5 and res["metrics"]["asr/images"]["n"] == 10
     assert res["metrics"]["ra/random"]["n"] == 10
     assert any("PLUMBING ONLY" in n for n in res["notes"])
     assert res["versions"]["components"]["method"]["name"] == "none"
@@ -93,14 +98,16 @@ def test_cell_writes_schema_and_rerun_generates_nothing(tmp_path):
     assert {s["seed"] for s in suite} == {0, 1}
     assert all(len(s["image_hash"]) == 64 for s in samples)
 
-    second = emma_run(_cell_args(tmp_path / "b"), cache)
+    # recompute from the image and score caches, not from the stored finished result
+    second = emma_run([*_cell_args(tmp_path / "b"), "paths.reuse_results=false"], cache)
     assert second.returncode == 0, second.stderr[-3000:]
     res2 = json.loads((tmp_path / "b" / "results.json").read_text())
     assert res2["counts"]["images_generated"] == 0
     assert res2["counts"]["images_scored"] == 0
     assert res2["counts"]["images_cached"] == res["counts"]["images_cached"] + 20
-    assert {k: v for k, v in res2["metrics"].items() if not k.startswith("time/")} == {
-        k: v for k, v in res["metrics"].items() if not k.startswith("time/")}
+    assert res2["metrics"] == res["metrics"]  # timing included: replayed from the image cache
+    assert any("replayed from the image cache" in n for n in res2["notes"])
+    assert res2["provenance"]["time/inference_s_per_image"]["images_measured_now"] == 0
 
 
 def _cache_files(cache: Path) -> list[Path]:

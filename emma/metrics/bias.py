@@ -17,9 +17,19 @@ towards it. Gender uses the *male* group as reference and ``a = female``; ethnic
 
     amplification = |B^erased| - |B^base|      (> 0: erasure amplified the bias)
 
-together with the signed change ``B^erased - B^base``. Confidence intervals are percentile
-bootstraps that resample each image set independently (with the neutral set resampled once
-per replicate for both terms, since both terms share it).
+together with the signed change ``B^erased - B^base``.
+
+Two readings of ``s``, both in docs/metrics.md:
+
+- **paired** (default, :func:`compare_bias_paired`): EMMA writes the sets as ``I^(i)``,
+  i = 1..N, generated with the same seeds across groups, so image ``i`` of the neutral set is
+  compared with image ``i`` of the reference and attribute sets:
+  ``B = mean_i [sim(n_i, ref_i) - sim(n_i, a_i)]``. Interval: a cluster bootstrap over prompt
+  indices, the same draw for base and erased (their images are paired as well).
+- **all pairs** (:func:`compare_bias`, ``metrics.bias.pairing=all_pairs``): the mean over all
+  neutral x group pairs, as above. Intervals are percentile bootstraps that resample each
+  image set independently (the neutral set once per replicate for both terms), base and erased
+  independently.
 """
 
 from __future__ import annotations
@@ -311,7 +321,8 @@ def compare_bias(
 
     def mv(value: float, reps: np.ndarray, n: int) -> MetricValue:
         lo, hi = _interval(reps, confidence)
-        return MetricValue(value=value, ci_low=lo, ci_high=hi, n=n)
+        return MetricValue(value=value, ci_low=lo, ci_high=hi, n=n,
+                           method=ALL_PAIRS_METHOD if lo is not None else None)
 
     return BiasComparison(
         base=mv(pb.value, pb.replicates, pb.n),
@@ -362,3 +373,80 @@ class BiasMetric(Metric):
         parts = _bias_from_prepared(n, r, a, self.similarity, self.n_resamples, self.seed)
         lo, hi = _interval(parts.replicates, self.confidence)
         return MetricValue(value=parts.value, ci_low=lo, ci_high=hi, n=parts.n)
+
+
+# ---------------------------------------------------------------------------------------------
+# the paired (same-seed) reading
+
+PAIRED = "paired"
+ALL_PAIRS = "all_pairs"
+PAIRINGS = (PAIRED, ALL_PAIRS)
+PAIRED_METHOD = "paired-cluster-bootstrap-percentile"
+ALL_PAIRS_METHOD = "bootstrap-percentile-image-sets"
+
+
+def paired_similarity(similarity: Similarity, x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+    """``sim(x_i, y_i)`` for aligned sets (image ``i`` of both drawn with the same seed)."""
+    if len(x) != len(y):
+        raise ValueError(f"paired similarity needs aligned sets, got {len(x)} and {len(y)} images")
+    px, py = similarity.prepare(x), similarity.prepare(y)
+    if isinstance(similarity, SSIMSimilarity):
+        return np.concatenate([ssim_pairs(px[s:s + 64], py[s:s + 64]).numpy() for s in range(0, len(px), 64)])
+    if isinstance(similarity, CLIPSimilarity):
+        return (px * py).sum(dim=-1).double().numpy()
+    return torch.stack([similarity.pairwise(px[i:i + 1], py[i:i + 1])[0, 0] for i in range(len(px))]).double().numpy()
+
+
+def paired_differences(images: dict[str, torch.Tensor], similarity: Similarity) -> np.ndarray:
+    """Per aligned triple ``i``: ``d_i = sim(n_i, ref_i) - sim(n_i, a_i)``."""
+    return (paired_similarity(similarity, images["neutral"], images["reference"])
+            - paired_similarity(similarity, images["neutral"], images["attribute"]))
+
+
+def compare_bias_paired(
+    base: dict[str, torch.Tensor],
+    erased: dict[str, torch.Tensor],
+    similarity: Similarity,
+    clusters: list[int] | np.ndarray,
+    n_resamples: int = 1000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> BiasComparison:
+    """EMMA's bias in the paired reading: ``B = mean_i [sim(n_i, ref_i) - sim(n_i, a_i)]``, image
+    ``i`` of every set drawn from the same prompt index and seed (EMMA's ``I^(i)``, i = 1..N).
+
+    The four values (base, erased, ``|B_e| - |B_b|``, ``B_e - B_b``) share one cluster
+    bootstrap: prompt indices (``clusters``, one id per aligned image) are resampled with
+    replacement, the same draw for the base and the erased model, whose images are paired by
+    prompt and seed too.
+    """
+    db, de = paired_differences(base, similarity), paired_differences(erased, similarity)
+    clusters = np.asarray(clusters)
+    if not len(db) == len(de) == len(clusters):
+        raise ValueError(f"base ({len(db)}), erased ({len(de)}) and clusters ({len(clusters)}) must align")
+    ids = list(dict.fromkeys(clusters.tolist()))
+    k = len(ids)
+    pos = {c: i for i, c in enumerate(ids)}
+    sb, se, size = np.zeros(k), np.zeros(k), np.zeros(k)
+    for c, b, e in zip(clusters.tolist(), db, de):
+        sb[pos[c]] += b
+        se[pos[c]] += e
+        size[pos[c]] += 1
+    vb, ve = float(db.mean()), float(de.mean())
+    values = {"base": vb, "erased": ve, "amplification": abs(ve) - abs(vb), "change": ve - vb}
+    if k < 2 or n_resamples <= 0:
+        from emma.metrics.intervals import FEW_CLUSTERS_NOTE
+
+        note = FEW_CLUSTERS_NOTE if k < 2 else None
+        return BiasComparison(**{p: MetricValue(value=v, n=len(db), n_clusters=k, note=note)
+                                 for p, v in values.items()})
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, k, size=(n_resamples, k))
+    rb = sb[idx].sum(axis=1) / size[idx].sum(axis=1)
+    re_ = se[idx].sum(axis=1) / size[idx].sum(axis=1)
+    reps = {"base": rb, "erased": re_, "amplification": np.abs(re_) - np.abs(rb), "change": re_ - rb}
+    out = {}
+    for part, v in values.items():
+        lo, hi = _interval(reps[part], confidence)
+        out[part] = MetricValue(value=v, ci_low=lo, ci_high=hi, n=len(db), method=PAIRED_METHOD, n_clusters=k)
+    return BiasComparison(**out)

@@ -83,16 +83,15 @@ def inference_time(records: Mapping[str, Mapping[str, Any]], seed: int,
         batches) or ``None`` when no image has a timing record; and its provenance (machines,
         images replayed from the cache / measured now / without a record / in warm-up).
     """
+    timed = [r for r in records.values() if r is not None and "gen_s" in r]
+    untimed = len(records) - len(timed)
+    warm = [r for r in timed if not r.get("warmup")]
+    only_warmup = not warm and bool(timed)
+    warmup = len(timed) - len(warm)
     batches: dict[str, list[float]] = {}
     machines: set[str] = set()
-    replayed = measured = untimed = warmup = 0
-    for rec in records.values():
-        if rec is None or "gen_s" not in rec:
-            untimed += 1
-            continue
-        if rec.get("warmup"):
-            warmup += 1
-            continue
+    replayed = measured = 0
+    for rec in timed if only_warmup else warm:
         batches.setdefault(str(rec["batch"]), []).append(float(rec["gen_s"]))
         machines.add(str(rec.get("machine", "unknown")))
         if rec.get("replayed"):
@@ -113,6 +112,10 @@ def inference_time(records: Mapping[str, Mapping[str, Any]], seed: int,
         value.note = "one timed batch: no interval"
     else:
         value.method = "bootstrap-batches-ratio-of-sums-percentile"
+    if only_warmup:
+        value.note = ("only warm-up batches were timed (they include one-time costs); "
+                      + (value.note or "")).rstrip("; ")
+        prov["warmup_included"] = True
     return value, prov
 
 

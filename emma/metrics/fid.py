@@ -34,7 +34,10 @@ from emma.errors import ConfigError
 from emma.metrics.base import Metric, MetricValue
 
 FeatureExtractor = Callable[[torch.Tensor], torch.Tensor]
-DEFAULT_REFERENCE = "coco30k"
+#: EMMA's reference set: the 40,504 COCO val2014 images (build its statistics once with
+#: ``python -m emma.metrics.fid build coco-val2014 /path/to/val2014``)
+DEFAULT_REFERENCE = "coco-val2014"
+CLUSTER_BASIC = "cluster-bootstrap-basic"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,6 +108,49 @@ def _fid_compute(
     return MetricValue(value=value, ci_low=lo, ci_high=hi, n=len(fake))
 
 
+def fid_with_interval(
+    features: np.ndarray,
+    clusters: Sequence[Any],
+    ref_mu: np.ndarray,
+    ref_sigma: np.ndarray,
+    n_resamples: int = 200,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> MetricValue:
+    """FID of ``features`` with a *basic* cluster-bootstrap interval.
+
+    Prompts (``clusters``, one id per image) are resampled with replacement; each replicate is
+    the FID of all images of the drawn prompts against the fixed reference. A resample holds
+    duplicate images, which shrinks its covariance and raises its FID, so the percentile
+    interval would sit above the estimate; the basic interval ``[2F - q_hi, 2F - q_lo]``
+    reflects the replicates around the estimate, which removes that shift to first order.
+    The interval covers the sampling of prompts and seeds, not the reference's own noise.
+    """
+    from emma.metrics.intervals import FEW_CLUSTERS_NOTE
+
+    feats = np.asarray(features, dtype=np.float64)
+    mu, sigma = gaussian_statistics(feats)
+    value = frechet_distance(mu, sigma, ref_mu, ref_sigma)
+    ids = list(dict.fromkeys(list(clusters)))
+    k = len(ids)
+    if k < 2 or n_resamples <= 0:
+        return MetricValue(value=value, n=len(feats), n_clusters=k,
+                           note=FEW_CLUSTERS_NOTE if k < 2 else None)
+    members: dict[Any, list[int]] = {c: [] for c in ids}
+    for i, c in enumerate(clusters):
+        members[c].append(i)
+    rng = np.random.default_rng(seed)
+    reps = []
+    for row in rng.integers(0, k, size=(n_resamples, k)):
+        idx = np.concatenate([members[ids[j]] for j in row])
+        m, s = gaussian_statistics(feats[idx])
+        reps.append(frechet_distance(m, s, ref_mu, ref_sigma))
+    alpha = (1 - confidence) / 2
+    q_lo, q_hi = np.quantile(reps, [alpha, 1 - alpha])
+    return MetricValue(value=value, ci_low=max(0.0, float(2 * value - q_hi)), ci_high=float(2 * value - q_lo),
+                       n=len(feats), method=CLUSTER_BASIC, n_clusters=k)
+
+
 # ---------------------------------------------------------------------------------------------
 # reference statistics
 
@@ -131,6 +177,25 @@ class ReferenceStatistics:
         mu, sigma = gaussian_statistics(features)
         return cls(mu=mu, sigma=sigma, n=len(features), name=name, extractor=extractor)
 
+    def sha256(self) -> str:
+        """Hash of the statistics themselves (mu and sigma, float64): what a result used."""
+        import hashlib
+
+        h = hashlib.sha256(np.ascontiguousarray(self.mu, dtype=np.float64).tobytes())
+        h.update(np.ascontiguousarray(self.sigma, dtype=np.float64).tobytes())
+        return h.hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        """The record of the reference a FID was computed against (results' provenance)."""
+        from importlib import metadata
+
+        try:
+            clean_fid = metadata.version("clean-fid")
+        except metadata.PackageNotFoundError:
+            clean_fid = None
+        return {"name": self.name, "n_images": int(self.n), "feature_extractor": self.extractor,
+                "clean_fid_version": clean_fid, "stats_sha256": self.sha256()}
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write an ``.npz`` atomically (temp file + rename)."""
         path = Path(path)
@@ -152,12 +217,13 @@ class ReferenceStatistics:
             )
 
 
-def reference_statistics_path(name: str, extractor: str) -> Path:
-    """Cache location ``$EMMA_CACHE/fid_stats/<name>__<extractor>.npz``."""
+def reference_statistics_path(name: str, extractor: str, root: str | os.PathLike[str] | None = None) -> Path:
+    """Cache location ``<root>/fid_stats/<name>__<extractor>.npz`` (``root``: the cell's
+    ``paths.cache_dir``; default ``$EMMA_CACHE``)."""
     from emma.weights import cache_root
 
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in extractor)
-    return cache_root() / "fid_stats" / f"{name}__{safe}.npz"
+    return (Path(root).expanduser() if root is not None else cache_root()) / "fid_stats" / f"{name}__{safe}.npz"
 
 
 def iter_image_folder(
@@ -190,6 +256,7 @@ def build_reference_statistics(
     extractor_id: str | None = None,
     limit: int | None = None,
     cache: bool = True,
+    root: str | os.PathLike[str] | None = None,
 ) -> ReferenceStatistics:
     """Compute (and cache) reference statistics from image batches or an image folder.
 
@@ -204,23 +271,27 @@ def build_reference_statistics(
         raise ConfigError(f"no reference images found for FID reference '{name}'")
     stats = ReferenceStatistics.from_features(np.concatenate(feats), name=name, extractor=extractor_id)
     if cache:
-        stats.save(reference_statistics_path(name, extractor_id))
+        stats.save(reference_statistics_path(name, extractor_id, root))
     return stats
 
 
 def reference_statistics(
-    name: str = DEFAULT_REFERENCE, extractor_id: str = "clean-fid-inception-v3"
+    name: str = DEFAULT_REFERENCE, extractor_id: str = "clean-fid-inception-v3",
+    root: str | os.PathLike[str] | None = None,
 ) -> ReferenceStatistics:
     """Cached reference statistics, or a clear error saying how to build them."""
-    path = reference_statistics_path(name, extractor_id)
+    path = reference_statistics_path(name, extractor_id, root)
     if not path.exists():
-        raise ConfigError(
+        raise ReferenceUnavailableError(
             f"FID reference statistics '{name}' for extractor '{extractor_id}' are not cached at {path}. "
-            'Build them once from the reference images, e.g. `python -c "from emma.metrics.fid import *; '
-            f"build_reference_statistics('/path/to/coco/val2014', CleanFIDInception(), name='{name}')\"` "
-            "(the images are not downloaded by the harness)."
+            f"Build them once from the reference images: `python -m emma.metrics.fid build {name} "
+            "/path/to/coco/val2014 --cache-dir <paths.cache_dir>` (the images are not downloaded by the harness)."
         )
     return ReferenceStatistics.load(path)
+
+
+class ReferenceUnavailableError(ConfigError):
+    """FID reference statistics are not cached (an expected condition offline)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,11 +457,38 @@ def tinyworld_fid(
     return metric.compute()
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m emma.metrics.fid build NAME FOLDER [--cache-dir DIR] [--limit N]``: the
+    statistics of a local image folder (EMMA: COCO val2014, 40,504 images) with clean-fid's
+    Inception, cached where cells look for them."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m emma.metrics.fid")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build reference statistics from an image folder")
+    b.add_argument("name")
+    b.add_argument("folder")
+    b.add_argument("--cache-dir", default=None)
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    stats = build_reference_statistics(args.folder, CleanFIDInception(device=args.device), name=args.name,
+                                       limit=args.limit, root=args.cache_dir)
+    print(f"{args.name}: {stats.n} images -> "
+          f"{reference_statistics_path(args.name, CleanFIDInception.id, args.cache_dir)} "
+          f"(sha256 {stats.sha256()[:16]})")
+
+
+if __name__ == "__main__":
+    main()
+
+
 __all__: Sequence[str] = (
     "CleanFIDInception",
     "FrechetDistance",
     "ReferenceStatistics",
     "build_reference_statistics",
+    "fid_with_interval",
     "frechet_distance",
     "gaussian_statistics",
     "reference_statistics",
