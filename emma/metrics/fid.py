@@ -37,7 +37,7 @@ FeatureExtractor = Callable[[torch.Tensor], torch.Tensor]
 #: EMMA's reference set: the 40,504 COCO val2014 images (build its statistics once with
 #: ``python -m emma.metrics.fid build coco-val2014 /path/to/val2014``)
 DEFAULT_REFERENCE = "coco-val2014"
-CLUSTER_BASIC = "cluster-bootstrap-basic"
+CLUSTER_BIAS_CORRECTED = "cluster-bootstrap-bias-corrected-percentile"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,14 +117,15 @@ def fid_with_interval(
     seed: int = 0,
     confidence: float = 0.95,
 ) -> MetricValue:
-    """FID of ``features`` with a *basic* cluster-bootstrap interval.
+    """FID of ``features`` with a bias-corrected cluster-bootstrap interval.
 
     Prompts (``clusters``, one id per image) are resampled with replacement; each replicate is
     the FID of all images of the drawn prompts against the fixed reference. A resample holds
-    duplicate images, which shrinks its covariance and raises its FID, so the percentile
-    interval would sit above the estimate; the basic interval ``[2F - q_hi, 2F - q_lo]``
-    reflects the replicates around the estimate, which removes that shift to first order.
-    The interval covers the sampling of prompts and seeds, not the reference's own noise.
+    duplicate images, which shrinks its covariance and raises its FID: the replicates sit
+    above the estimate by ``b = mean(replicates) - F``, often by more than their spread, so
+    neither the percentile nor the basic interval contains ``F``. The interval is the
+    percentile interval of the replicates shifted by ``-b``: ``[q_lo - b, q_hi - b]`` (floored
+    at 0). It covers the sampling of prompts and seeds, not the reference's own noise.
     """
     from emma.metrics.intervals import FEW_CLUSTERS_NOTE
 
@@ -147,8 +148,9 @@ def fid_with_interval(
         reps.append(frechet_distance(m, s, ref_mu, ref_sigma))
     alpha = (1 - confidence) / 2
     q_lo, q_hi = np.quantile(reps, [alpha, 1 - alpha])
-    return MetricValue(value=value, ci_low=max(0.0, float(2 * value - q_hi)), ci_high=float(2 * value - q_lo),
-                       n=len(feats), method=CLUSTER_BASIC, n_clusters=k)
+    shift = float(np.mean(reps)) - value
+    return MetricValue(value=value, ci_low=max(0.0, float(q_lo - shift)), ci_high=float(q_hi - shift),
+                       n=len(feats), method=CLUSTER_BIAS_CORRECTED, n_clusters=k)
 
 
 # ---------------------------------------------------------------------------------------------
