@@ -120,7 +120,7 @@ def test_fid_injected_extractor_reference_statistics_and_bootstrap(tmp_path):
 
 def test_reference_statistics_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EMMA_CACHE", str(tmp_path))
-    with pytest.raises(ConfigError, match="build_reference_statistics"):
+    with pytest.raises(ConfigError, match="python -m emma.metrics.fid build coco30k"):
         reference_statistics("coco30k", "moments")
     g = torch.Generator().manual_seed(1)
     batches = [torch.rand(10, 3, 8, 8, generator=g) for _ in range(3)]
