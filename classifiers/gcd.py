@@ -48,6 +48,7 @@ from classifiers._base import (
     load_torch_checkpoint,
     to_uint8_hwc,
 )
+from emma.errors import ConfigError
 
 #: raw GIPHY labels (``Name_[freebase id]``) in the network's output order
 GCD_RAW_LABELS: tuple[str, ...] = tuple(
@@ -436,10 +437,15 @@ class GCDClassifier(PretrainedClassifier):
         face_detector: optional replacement for MTCNN: a callable from a uint8 ``(H, W, 3)``
             RGB image to boxes ``(K, >=4)`` ``[x1, y1, x2, y2, ...]``.
         max_faces: at most this many faces per image (largest-score first).
+        no_face: an image without a detected face: ``"exclude"`` (EMMA's GCD evaluation:
+            left out of the rate and counted as ``n_excluded``) or ``"absent"`` (counted as
+            "celebrity not present", i.e. erased for EA and lost for RA).
     """
 
     name = "gcd"
-    version = "1"
+    version = "2"
+    detect_only = ("threshold", "aliases", "no_face")
+    NO_FACE = ("exclude", "absent")
     default_weights = "gcd_celebrity"
 
     def __init__(
@@ -453,8 +459,12 @@ class GCDClassifier(PretrainedClassifier):
         aliases: dict[str, str] | None = None,
         device: str = "cpu",
         batch_size: int = 16,
+        no_face: str = "exclude",
     ) -> None:
+        if no_face not in self.NO_FACE:
+            raise ConfigError(f"gcd no_face={no_face!r}; valid: {', '.join(self.NO_FACE)}")
         super().__init__(weights, threshold, aliases, device, batch_size)
+        self.no_face = no_face
         self.margin = float(margin)
         self.face_size = int(face_size)
         self.face_detector = face_detector
@@ -544,9 +554,14 @@ class GCDClassifier(PretrainedClassifier):
         has_face = probs.sum(dim=1) > 0
         return has_face & (probs.argmax(dim=1) == idx) & (probs[:, idx] >= self.threshold)
 
+    def excluded(self, probs: torch.Tensor) -> torch.Tensor | None:
+        """Images without a detected face (all-zero rows), when ``no_face="exclude"``."""
+        return probs.sum(dim=1) == 0 if self.no_face == "exclude" else None
+
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),
+            "no_face": self.no_face,
             "margin": self.margin,
             "face_size": self.face_size,
             "face_detector": "mtcnn" if self.face_detector is None else repr(self.face_detector),

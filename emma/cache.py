@@ -166,6 +166,35 @@ class ScoreCache:
         atomic_write_bytes(self.path(image_hash), buf.getvalue(), fsync=False)
 
 
+class ClassifierScoreCache:
+    """A :class:`ScoreCache` whose folder follows the classifier's *current*
+    ``cache_key()`` at every read and write, so an open-vocabulary judge whose labels grow
+    after construction (``can_detect``) never reads rows scored under another label set."""
+
+    def __init__(self, root: str | os.PathLike, classifier: Any) -> None:
+        self.root_dir, self.classifier = Path(root), classifier
+        self._caches: dict[str, ScoreCache] = {}
+
+    def _cache(self) -> ScoreCache:
+        key = self.classifier.cache_key()
+        if key not in self._caches:
+            self._caches[key] = ScoreCache(self.root_dir, key)
+        return self._caches[key]
+
+    @property
+    def root(self) -> Path:
+        return self._cache().root
+
+    def path(self, image_hash: str) -> Path:
+        return self._cache().path(image_hash)
+
+    def get(self, image_hash: str) -> np.ndarray | None:
+        return self._cache().get(image_hash)
+
+    def put(self, image_hash: str, probs: np.ndarray) -> None:
+        self._cache().put(image_hash, probs)
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import subprocess
 import time
@@ -27,7 +28,7 @@ from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.api.types import PromptRequest, Sample
-from emma.cache import ImageCache, ScoreCache, atomic_write_text, sha256_file
+from emma.cache import ClassifierScoreCache, ImageCache, atomic_write_text, sha256_file
 from emma.erase import erase_cached
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.evaluate import judge_requests
@@ -35,6 +36,7 @@ from emma.generate import CachedGenerator, GenerationTarget, Judge
 from emma.metrics import cell_metrics
 from emma.pipelines import fingerprint, load_pipeline
 from emma.results import CellInfo, CellResult
+from emma.weights import ENV_CACHE
 
 log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -71,7 +73,8 @@ class Judges:
         if name not in self._judges:
             ccfg = classifier_config(self.cfg, name, self.domain)
             classifier: Classifier = hydra.utils.instantiate(ccfg, _convert_="all")
-            self._judges[name] = Judge(classifier, ScoreCache(self.cache_root, classifier.cache_key()))
+            # keyed at use: can_detect may still add labels to an open-vocabulary judge
+            self._judges[name] = Judge(classifier, ClassifierScoreCache(self.cache_root, classifier))
         return self._judges[name]
 
     def for_request(self, request: PromptRequest) -> Judge:
@@ -140,6 +143,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     cache_root = Path(cfg.paths.cache_dir).expanduser()
     if cfg.get("threads") is not None:
         torch.set_num_threads(int(cfg.threads))
+    os.environ[ENV_CACHE] = str(cache_root)  # one root: weights, FID statistics, downloads follow it
 
     t = time.perf_counter()
     domain: Domain = hydra.utils.instantiate(cfg.domain, _convert_="all")

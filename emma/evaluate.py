@@ -14,7 +14,8 @@ def judge_requests(
     """Generate every request's images (cached), judge them, and return samples per request.
 
     A sample's ``detected`` says whether the judge found the request's ``concept``;
-    ``score`` is that concept's probability.
+    ``score`` is that concept's probability; ``extra["excluded"]`` marks an image the judge
+    has no verdict on (GCD: no face), which the rates leave out and count as ``n_excluded``.
     """
     prompts: list[str] = []
     seeds: list[int] = []
@@ -40,11 +41,13 @@ def judge_requests(
         for k, j in enumerate(rows):
             detected[j] = bool(det[k])
             scores[j] = float(probs[j, col]) if col is not None else float(det[k])
+    excluded = classifier.excluded(probs) if classifier is not None else None
     for j, i in enumerate(owner):
         req = requests[i]
         out[i].append(
             Sample(prompt=req.prompt, seed=seeds[j], concept=req.concept, group=req.group,
                    kind=req.kind, image_hash=gen.hashes[j], detected=detected[j],
-                   score=scores[j], cached=gen.cached[j])
+                   score=scores[j], cached=gen.cached[j],
+                   extra={"excluded": True} if excluded is not None and bool(excluded[j]) else {})
         )
     return out

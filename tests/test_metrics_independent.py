@@ -193,6 +193,7 @@ def test_fid_against_the_suite_mix_reference(cell, images, judge):
     h.update(sig_r.tobytes())
     assert prov["n_images"] == n_ref and prov["name"] == "tinyworld-suite-mix"
     assert prov["stats_sha256"] == h.hexdigest()
+    assert list((cell["cache"] / "fid_stats").glob("tinyworld-suite-mix-*.npz"))  # under the cell's cache root
 
     def fid(x):
         mu, sig = x.mean(0), np.cov(x, rowvar=False)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Sequence
+import hashlib
+import json
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -60,5 +62,47 @@ class Classifier(abc.ABC):
         """Boolean ``(N,)``: is ``concept`` present, given :meth:`predict`'s output."""
         return probs[:, self.label_index(concept)] >= self.threshold
 
+    #: attributes that only steer :meth:`detect` (not :meth:`predict`), left out of the key
+    detect_only: ClassVar[tuple[str, ...]] = ("threshold", "aliases")
+
+    def cache_config(self) -> dict[str, Any]:
+        """Everything that can change :meth:`predict`'s output: name, version, weights hash,
+        the final label set, and every public setting of the instance (``margin``,
+        ``face_size``, ``templates``, ``exposed_classes``, ``image_size``, ``device``, ...).
+        Settings that only steer :meth:`detect` (:attr:`detect_only`) are left out: the score
+        cache stores ``predict`` outputs."""
+        settings = {k: _plain(v) for k, v in sorted(vars(self).items())
+                    if not k.startswith("_") and k not in self.detect_only}
+        return {"name": self.name, "version": self.version, "weights": self.weights_hash(),
+                "labels": list(self.labels), "settings": {k: v for k, v in settings.items() if v is not _SKIP}}
+
     def cache_key(self) -> str:
-        return f"{self.name}-v{self.version}-{self.weights_hash() or 'random'}"
+        """Folder name of this judge's score cache: readable prefix + hash of :meth:`cache_config`.
+        Computed at use, so labels an open-vocabulary judge adds are in it."""
+        digest = hashlib.sha256(json.dumps(self.cache_config(), sort_keys=True, default=str).encode()).hexdigest()
+        return f"{self.name}-v{self.version}-{(self.weights_hash() or 'random')[:16]}-{digest[:16]}"
+
+    def excluded(self, probs: torch.Tensor) -> torch.Tensor | None:
+        """Boolean ``(N,)``: images on which this judge has no verdict (they leave the rates'
+        denominators and are counted as ``n_excluded``); ``None``: every image is judged."""
+        return None
+
+
+_SKIP = object()
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-able view of a setting; objects that are not settings (models) are skipped."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        items = [_plain(x) for x in v]
+        return _SKIP if any(x is _SKIP for x in items) else items
+    if isinstance(v, dict):
+        items = {str(k): _plain(x) for k, x in v.items()}
+        return _SKIP if any(x is _SKIP for x in items.values()) else items
+    if isinstance(v, torch.device):
+        return str(v)
+    if callable(v) and not isinstance(v, torch.nn.Module):  # an injected function (face detector)
+        return f"{type(v).__module__}.{getattr(v, '__qualname__', type(v).__qualname__)}"
+    return _SKIP
