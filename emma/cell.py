@@ -33,7 +33,7 @@ from emma.erase import erase_cached
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.evaluate import judge_requests
 from emma.generate import CachedGenerator, GenerationTarget, Judge
-from emma.metrics import cell_metrics
+from emma.metrics import METRIC_VERSIONS, cell_metrics
 from emma.pipelines import fingerprint, load_pipeline
 from emma.results import CellInfo, CellResult
 from emma.weights import ENV_CACHE
@@ -284,6 +284,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         "libraries": {n: _package_version(n) for n in ("torch", "diffusers", "transformers")},
         "runtime": runtime_info(),
         "presets": preset_choices(),
+        "metrics": dict(METRIC_VERSIONS),
     }
     result = CellResult(
         metrics=metrics,

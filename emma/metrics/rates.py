@@ -20,9 +20,6 @@ from typing import ClassVar, Sequence
 from emma.metrics.base import Metric, MetricValue
 from emma.metrics.intervals import clustered_rate, proportion
 
-#: bumped when a rate's definition or interval changes (CHANGELOG)
-VERSION = "2"
-
 
 class _Rate(Metric):
     count_absent: ClassVar[bool] = False
