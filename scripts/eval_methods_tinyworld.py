@@ -250,11 +250,12 @@ def main(argv: list[str] | None = None) -> None:
     concepts = [c for c in args.concepts.split(",") if c]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.report:
-        base, rows = {}, []
-        for path in args.report:
+        base, cells = {}, {}
+        for path in args.report:  # a later file's cell replaces an earlier one's
             data = json.loads(path.read_text())
             base.update({b["concept"]: CellRates(**b) for b in data["base"]})
-            rows += [CellRates(**r) for r in data["rows"]]
+            cells.update({(r["method"], r["concept"], r["seed"]): CellRates(**r) for r in data["rows"]})
+        rows = list(cells.values())
         order = {m: i for i, m in enumerate(METHODS)}
         shape = {c: i for i, c in enumerate(SHAPES)}
         rows.sort(key=lambda r: (order.get(r.method, len(order)), shape.get(r.concept, len(shape))))
