@@ -165,6 +165,25 @@ def summarize(rows: list[CellRates], base: dict[str, CellRates]) -> dict[str, di
     return out
 
 
+def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The values a method's tiny-world preset sets (its own keys and those of the presets it
+    extends), as the cell resolved them; per-domain mappings reduced to the tiny world's entry."""
+    from omegaconf import OmegaConf
+
+    keys: list[str] = []
+    path = CONF / "preset" / "method" / f"{method}_tiny.yaml"
+    while path.exists():
+        preset = OmegaConf.load(path)
+        keys += [k for k in preset if k != "defaults" and k not in keys]
+        parents = [d for d in preset.get("defaults", []) if d != "_self_"]
+        path = CONF / "preset" / "method" / f"{parents[0]}.yaml" if parents else Path("/nonexistent")
+    out = {}
+    for k in keys:
+        v = config.get(k)
+        out[k] = v.get("tinyworld", v) if isinstance(v, dict) else v
+    return out
+
+
 def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequence[str], command: str,
              grid_name: str | None) -> str:
     summary = summarize(rows, base)
@@ -182,12 +201,18 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
         cells = {r.concept: r for r in rows if r.method == method}
         per.append(f"| {method} | " + " | ".join(
             f"{cells[c].ea_name:.2f} / {cells[c].ra_random:.2f}" if c in cells else "–" for c in concepts) + " |")
+    below = [f"- {r.method} / {r.concept}: "
+             + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if r.ea_name < 0.8 else "",
+                                     f"RA {r.ra_random:.2f} < 0.8 x {base[r.concept].ra_random:.2f}"
+                                     if r.ra_random < 0.8 * base[r.concept].ra_random else "") if x)
+             for r in rows if r.ea_name < 0.8 or r.ra_random < 0.8 * base[r.concept].ra_random]
+    failing = "\n".join(below) if below else "None: every cell passes."
     seeds = sorted({r.seed for r in rows})
     n_name = rows[0].n_name if rows else 0
     n_random = rows[0].n_random if rows else 0
-    presets = "\n".join(f"- **{m}**: `conf/method/{m}.yaml` + `conf/preset/method/{m}_tiny.yaml` → `"
-                        + json.dumps({k: v for k, v in next(r for r in rows if r.method == m).method_config.items()
-                                      if k not in ("name", "version")}, sort_keys=True) + "`"
+    presets = "\n".join(f"- **{m}**: `conf/method/{m}.yaml` + `conf/preset/method/{m}_tiny.yaml`: `"
+                        + json.dumps(preset_values(m, next(r for r in rows if r.method == m).method_config),
+                                     sort_keys=True) + "`"
                         for m in summary)
     grid = (f"\nSamples (one row per method, erasing **{concepts[0]}**; columns: "
             f"{', '.join(repr(p) for p in dict.fromkeys(grid_prompts(concepts[0])))} as 4, 2 and 2 images; "
@@ -208,6 +233,10 @@ concept. Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `era
 ## Summary over {len(concepts)} concepts
 
 {chr(10).join(lines)}
+
+## Cells below the bar (EA name >= 0.8, RA random >= 0.8 x base)
+
+{failing}
 
 ## Per concept (EA name / RA random)
 
@@ -293,8 +322,13 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[Ce
         grid = args.out.with_suffix(".png")
         save_grid(grid_rows, grid)
         grid_name = grid.name
-    given = argv if argv is not None else sys.argv[1:]
-    command = ("python scripts/eval_methods_tinyworld.py " + " ".join(given)).strip()
+    if args.report:  # the cells came from earlier runs: name the run that reproduces them
+        command = (f"python scripts/eval_methods_tinyworld.py --methods {','.join(methods)} --threads "
+                   f"{rows[0].threads if rows else 1}  (cells run in several processes sharing one cache, "
+                   f"table assembled with --report)")
+    else:
+        given = argv if argv is not None else sys.argv[1:]
+        command = ("python scripts/eval_methods_tinyworld.py " + " ".join(given)).strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(rows, base, concepts, command, grid_name))
     print(f"wrote {args.out}")
