@@ -451,7 +451,7 @@ def domain_concept_names(domain: str | None) -> list[str]:
     return list(_domain_concepts_cached(str(domain)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _domain_concepts_cached(domain: str) -> tuple[str, ...]:
     from pathlib import Path
 

@@ -187,6 +187,7 @@ class SalUnMethod(ErasureMethod):
         n_t = sched.config.num_train_timesteps
         bs = hp["train_batch_size"]
         with fp32_training(unet):
+            unet.requires_grad_(False)
             params = select_parameters(unet, salun_parameter_filter(hp["parameter_group"]))
             for p in params.values():
                 p.requires_grad_(True)

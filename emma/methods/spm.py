@@ -111,7 +111,7 @@ def adapter_active(targets: dict[str, nn.Module], adapter: SPMAdapter) -> Iterat
     """Add the adapter's branch to its layers' outputs (forward hooks, removed on exit)."""
     handles = []
     try:
-        for i, (name, module) in enumerate(targets.items()):
+        for i, module in enumerate(targets.values()):
             def hook(mod, inputs, output, i=i):
                 return output + adapter.branch(i, mod, inputs[0])
             handles.append(module.register_forward_hook(hook))
@@ -258,6 +258,7 @@ class SPMMethod(ErasureMethod):
 
         adapters = []
         with fp32_training(unet):  # the UNet is frozen; fp32 so the adapter trains in fp32
+            unet.requires_grad_(False)
             for concept in concepts:
                 cond = encode_text(pipe, [concept]).float()
                 adapter = SPMAdapter(targets, hp["rank"], hp["alpha"], gen).to(device)
