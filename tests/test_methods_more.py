@@ -183,7 +183,7 @@ def test_sld_disabled_is_the_pipeline_s_own_sampling(base):
         pipe, prompt=["a circle", "a star"], generator=gens(), num_inference_steps=3, guidance_scale=5.0,
         height=32, width=32)
     plain_images = pipe(["a circle", "a star"], generator=gens(), num_inference_steps=3, guidance_scale=5.0,
-                        output_type="pt").images
+                        height=32, width=32, output_type="pt").images
     assert torch.equal(off, plain_images)
 
 
