@@ -29,7 +29,8 @@ SMALL = {
            "method.sample_steps=1"],
     "fmn": ["method.num_images=1", "method.max_train_steps=1", "method.sample_steps=1"],
     "salun": ["method.num_images=2", "method.train_batch_size=2", "method.epochs=1", "method.sample_steps=1"],
-    "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1"],
+    "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1",
+            "method.lr_warmup_steps=0"],
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,6 +27,14 @@ from emma.methods.uce import UCEMethod
 from emma.pipelines import fingerprint, tiny_random_pipeline
 
 DOMAIN = "tinyworld"
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def method_cfg(name: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(overrides=[f"+method={name}"]).method
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +160,9 @@ def test_sld_edits_no_weight_and_returns_its_guidance(base, pipe):
 @pytest.mark.parametrize("preset", ["sld_weak", "sld", "sld_strong", "sld_max"])
 def test_sld_matches_diffusers_stable_diffusion_pipeline_safe(base, preset):
     from diffusers import EulerAncestralDiscreteScheduler, StableDiffusionPipelineSafe
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from tests.test_methods_config import CONF
-
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(overrides=[f"+method={preset}"]).method
-    method = instantiate(cfg)
+    method = instantiate(method_cfg(preset))
     pipe = copy.deepcopy(base)
     pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)
     hp = {k: v for k, v in method.hparams.items() if k != "safety_concepts"}
@@ -203,8 +207,6 @@ def test_generator_with_guidance_draws_and_caches_other_images(base, tmp_path):
 
 
 def test_sld_nsfw_safety_concept_is_the_paper_s():
-    from tests.test_methods_config import method_cfg
-
     m = SLDMethod(**{k: v for k, v in method_cfg("sld").items() if k != "_target_"})
     assert m.safety_concept(["nudity"], "nsfw") == SLD_DEFAULT_SAFETY_CONCEPT
     assert m.safety_concept(["circle"], "tinyworld") == "circle"
@@ -215,7 +217,6 @@ def test_sld_cell_records_inference_time_guidance(tmp_path):
 
     from emma.cell import run_cell
     from emma.config import register_configs
-    from tests.test_methods_config import CONF
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -314,7 +315,8 @@ def test_spm_same_seed_same_adapter(base):
 SMALL_SD = {
     "rece": [], "sld": [], "sld_max": [],
     "salun": ["method.num_images=2", "method.train_batch_size=2", "method.epochs=1", "method.sample_steps=2"],
-    "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1"],
+    "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1",
+            "method.lr_warmup_steps=0"],
 }
 
 
@@ -324,7 +326,6 @@ def test_sd14_configs_erase_a_tiny_sd_of_the_same_classes(base, tmp_path, name):
 
     from emma.cell import run_cell
     from emma.config import register_configs
-    from tests.test_methods_config import CONF
 
     register_configs()
     folder = tmp_path / "sd14-like"
