@@ -170,12 +170,12 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     base_fp = fingerprint(pipe)
     timing["load_s"] = time.perf_counter() - t
 
-    def make_generator(p: Any, fp: str) -> CachedGenerator:
+    def make_generator(p: Any, fp: str, guidance: Any = None) -> CachedGenerator:
         return CachedGenerator(
             p, fp, ImageCache(cache_root),
             num_inference_steps=cfg.model.num_inference_steps, guidance_scale=cfg.model.guidance_scale,
             height=cfg.model.height, width=cfg.model.width, batch_size=cfg.model.batch_size,
-            negative_prompt=cfg.model.get("negative_prompt"),
+            negative_prompt=cfg.model.get("negative_prompt"), guidance=guidance,
         )
 
     images_generated = 0
@@ -195,7 +195,12 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
                           domain=domain.name, seed=int(cfg.seed))
     timing["erase_s"] = time.perf_counter() - t
 
-    generator = make_generator(erased.pipe, erased.fingerprint)
+    # Inference-time methods (SLD) steer sampling instead of editing weights.
+    guidance = method.inference_guidance(erased.pipe, [concept], domain=domain.name)
+    if guidance is not None:
+        notes.append(f"inference-time guidance '{guidance.name}': the method edits no weights and "
+                     "changes how images are sampled (time/unlearning_s is 0)")
+    generator = make_generator(erased.pipe, erased.fingerprint, guidance)
     t = time.perf_counter()
     suite: list[tuple[PromptRequest, list[Sample]]] = []
     for name in dict.fromkeys(judges.name_for(r) for r in requests):
@@ -279,7 +284,8 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
             "domain": domain.config(),
         },
         "model": {"name": cfg.model.name, "base_fingerprint": base_fp,
-                  "erased_fingerprint": erased.fingerprint, "erase_key": erased.key},
+                  "erased_fingerprint": erased.fingerprint, "erase_key": erased.key,
+                  "inference_guidance": guidance.config() if guidance is not None else None},
         "data_files": {k: sha256_file(p) for k, p in getattr(domain, "data_files", {}).items()},
         "libraries": {n: _package_version(n) for n in ("torch", "diffusers", "transformers")},
         "runtime": runtime_info(),

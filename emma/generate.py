@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from emma.api.classifier import Classifier
+from emma.api.guidance import InferenceGuidance
 from emma.api.types import GeneratedImages
 from emma.cache import ImageCache, ScoreCache, from_uint8, pixel_hash, stable_hash, tensor_hash, to_uint8
 
@@ -31,6 +32,8 @@ class CachedGenerator:
         num_inference_steps / guidance_scale / height / width: sampler settings.
         batch_size: images per pipeline call.
         negative_prompt: default negative prompt.
+        guidance: an inference-time guidance (SLD) that draws every image instead of the
+            pipeline's own loop; it is part of the image cache key.
     """
 
     def __init__(
@@ -45,8 +48,10 @@ class CachedGenerator:
         width: int,
         batch_size: int = 8,
         negative_prompt: str | None = None,
+        guidance: InferenceGuidance | None = None,
     ) -> None:
         self.pipe = pipe
+        self.guidance = guidance
         self.model_fingerprint = model_fingerprint
         self.cache = cache
         self.num_inference_steps = int(num_inference_steps)
@@ -73,7 +78,7 @@ class CachedGenerator:
 
     def settings(self) -> dict[str, Any]:
         sched = self.pipe.scheduler
-        return {
+        out = {
             "scheduler": type(sched).__name__,
             "scheduler_config": {k: v for k, v in dict(sched.config).items() if not k.startswith("_")},
             "num_inference_steps": self.num_inference_steps,
@@ -81,6 +86,9 @@ class CachedGenerator:
             "height": self.height,
             "width": self.width,
         }
+        if self.guidance is not None:  # absent otherwise, so plain sampling keeps its keys
+            out["inference_guidance"] = self.guidance.config()
+        return out
 
     def image_key(self, prompt_id: str, seed: int, negative_prompt: str | None) -> str:
         """sha256 of everything that determines the image."""
@@ -185,6 +193,13 @@ class CachedGenerator:
             kwargs["prompt"] = list(prompts)
             if negative_prompt is not None:
                 kwargs["negative_prompt"] = [negative_prompt] * len(prompts)
+        if self.guidance is not None:
+            kwargs.pop("output_type")
+            for key in ("prompt", "negative_prompt"):
+                kwargs.setdefault(key, None)
+            kwargs.setdefault("prompt_embeds", None)
+            kwargs.setdefault("negative_prompt_embeds", None)
+            return to_uint8(self.guidance.sample(self.pipe, **kwargs))
         images = self.pipe(**kwargs).images
         return to_uint8(images)
 

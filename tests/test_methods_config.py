@@ -28,6 +28,9 @@ SMALL = {
     "ca": ["method.num_class_images=2", "method.train_batch_size=2", "method.max_train_steps=1",
            "method.sample_steps=1"],
     "fmn": ["method.num_images=1", "method.max_train_steps=1", "method.sample_steps=1"],
+    "salun": ["method.num_images=2", "method.train_batch_size=2", "method.epochs=1", "method.sample_steps=1"],
+    "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1",
+            "method.lr_warmup_steps=0"],
 }
 
 
@@ -50,7 +53,7 @@ def base():
 
 def test_the_issue_s_methods_all_have_a_file():
     for name in ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn",
-                 "checkpoint"):
+                 "checkpoint", "rece", "sld", "sld_weak", "sld_strong", "sld_max", "salun", "spm"):
         assert name in METHODS
 
 
@@ -62,7 +65,7 @@ def test_every_method_file_erases_on_the_tiny_random_pipeline(base, name):
     pipe = copy.deepcopy(base)
     out = method.erase(pipe, ["circle"], seed=0, domain="tinyworld")
     assert out is pipe
-    if name == "none":
+    if name == "none" or name.startswith("sld"):  # the base model / inference-time guidance
         assert fingerprint(pipe) == fingerprint(base) and method.edited_components == ()
     else:
         assert method.edited_components == ("unet",)
@@ -127,3 +130,34 @@ def test_emma_guide_concepts_per_domain():
     esd = method_cfg("esd").neutral_concepts
     assert {for_domain(esd, d, what="") for d in DOMAINS} == {""}
     assert for_domain(method_cfg("ca").anchor_concepts, "tinyworld", what="") == "shape"
+
+
+def test_paper_defaults_of_the_newer_methods():
+    rece = method_cfg("rece")
+    assert (rece.epochs, rece.lamb, rece.erase_scale, rece.preserve_scale, rece.regular_scale, rece.uce_lamb,
+            rece.with_to_k) == (5, 0.1, 1.0, 0.1, 1e-3, 0.5, True)
+    # SLD's four configurations (Schramowski et al., Table / diffusers' SafetyConfig)
+    sld = {n: method_cfg(n) for n in ("sld_weak", "sld", "sld_strong", "sld_max")}
+    keys = ("sld_warmup_steps", "sld_guidance_scale", "sld_threshold", "sld_momentum_scale", "sld_mom_beta")
+    assert {n: tuple(c[k] for k in keys) for n, c in sld.items()} == {
+        "sld_weak": (15, 20, 0.0, 0.0, 0.0), "sld": (10, 1000, 0.01, 0.3, 0.4),
+        "sld_strong": (7, 2000, 0.025, 0.5, 0.7), "sld_max": (0, 5000, 1.0, 0.5, 0.7)}
+    salun = method_cfg("salun")
+    assert (salun.mask_ratio, salun.mask_guidance, salun.parameter_group, salun.learning_rate, salun.epochs,
+            salun.train_batch_size, salun.alpha) == (0.5, 7.5, "full", 1e-5, 5, 8, 0.5)
+    spm = method_cfg("spm")
+    assert (spm.rank, spm.alpha, spm.iterations, spm.learning_rate, spm.lr_warmup_steps, spm.lr_num_cycles,
+            spm.max_denoising_steps, spm.guidance_scale, spm.la_strength, spm.sampling_batch_size) == (
+        1, 1.0, 3000, 1e-4, 500, 3, 30, 1.0, 1000.0, 4)
+
+
+@pytest.mark.parametrize("name", ["rece", "salun", "spm"])
+def test_tiny_presets_apply_on_the_tiny_models_only(name):
+    from emma.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        tiny = compose(config_name="config", overrides=["model=tinyworld", f"method={name}"])
+        sd = compose(config_name="config", overrides=["model=sd14", f"method={name}"])
+    assert tiny.method != sd.method
+    assert sd.method == method_cfg(name)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+if TYPE_CHECKING:
+    from emma.api.guidance import InferenceGuidance
 
 
 class ErasureMethod(abc.ABC):
-    """Edits UNet / text-encoder weights of a diffusers pipeline; never subclasses or
-    monkey-patches the pipeline itself.
+    """Edits UNet / text-encoder weights of a diffusers pipeline (or, for inference-time
+    methods, returns an :meth:`inference_guidance`); never subclasses or monkey-patches the
+    pipeline itself.
 
     Subclasses set ``name`` and ``version`` (bump on any change that moves numbers), take
     their hyper-parameters as constructor keyword arguments (these are hashed into the
@@ -38,6 +42,14 @@ class ErasureMethod(abc.ABC):
             seed: seed of every random draw the method makes.
             domain: the concept domain (methods pick domain-specific guide/anchor concepts).
         """
+
+    def inference_guidance(self, pipe: Any, concepts: Sequence[str], *,
+                           domain: str | None = None) -> InferenceGuidance | None:
+        """The sampling procedure images of the erased model must be drawn with, or ``None``
+        (the pipeline's own). Methods that erase at inference time (SLD) return one; the
+        generation stage honours it (see :mod:`emma.api.guidance`).
+        """
+        return None
 
 
 class NoErasure(ErasureMethod):

@@ -9,6 +9,7 @@ here edits pipeline *components*; nothing subclasses or patches the pipeline.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -437,3 +438,47 @@ def attention_side(num_queries: int, height: int, width: int) -> tuple[int, int]
     if h * w != num_queries:
         raise ValueError(f"cannot lay {num_queries} queries out on a {height}x{width} latent")
     return h, w
+
+
+# --------------------------------------------------------------------------- domain concepts
+OTHERS = "<others>"
+
+
+def domain_concept_names(domain: str | None) -> list[str]:
+    """The concept names of ``conf/domain/<domain>.yaml`` (instantiated once per process)."""
+    if domain is None:
+        raise ConfigError(f"'{OTHERS}' stands for the domain's other concepts, but no domain was given")
+    return list(_domain_concepts_cached(str(domain)))
+
+
+@functools.cache
+def _domain_concepts_cached(domain: str) -> tuple[str, ...]:
+    from pathlib import Path
+
+    import hydra
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "domain"
+    path = conf / f"{domain}.yaml"
+    if not path.exists():
+        raise UnknownChoiceError(f"domain (to expand '{OTHERS}')", domain, [p.stem for p in conf.glob("*.yaml")])
+    dom = hydra.utils.instantiate(OmegaConf.load(path), _convert_="all")
+    return tuple(dom.concepts)
+
+
+def expand_others(names: Any, domain: str | None, erased: Sequence[str]) -> list[str]:
+    """A list of concept names with ``"<others>"`` replaced by the domain's concepts that are
+    not erased; erased concepts are dropped from the result either way (order kept, no
+    duplicates)."""
+    if names is None:
+        return []
+    if isinstance(names, str):
+        names = [names]
+    low = {c.lower() for c in erased}
+    out: list[str] = []
+    for n in names:
+        items = domain_concept_names(domain) if n == OTHERS else [n]
+        for x in items:
+            if x.lower() not in low and x not in out:
+                out.append(x)
+    return out
