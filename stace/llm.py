@@ -78,9 +78,12 @@ class LLMClient:
             backoff and jitter; each retry is counted in :class:`ChatResult`.
         seed: default sampling seed, for endpoints that honour it.
         backoff_s: first backoff wait; doubles per retry (capped at 30 s).
+        per_role_models: the endpoint serves many models (OpenRouter), so STACE may give each
+            agent role its preset's model; otherwise every role uses ``model``.
     """
 
     is_local = False
+    probe_mode = "code"  # STACE: models behind an API write probe code
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class LLMClient:
         max_retries: int = 3,
         seed: int | None = None,
         backoff_s: float = 1.0,
+        per_role_models: bool = False,
     ) -> None:
         self.model = model
         self.base_url = base_url
@@ -103,6 +107,7 @@ class LLMClient:
         self.max_retries = int(max_retries)
         self.seed = seed
         self.backoff_s = float(backoff_s)
+        self.per_role_models = bool(per_role_models)
         self._client: Any = None
 
     def __repr__(self) -> str:  # never shows the key
