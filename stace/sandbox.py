@@ -62,6 +62,7 @@ class SandboxResult:
         returncode: the exit status (negative: killed by that signal).
         wall_s: wall seconds.
         network_isolated: ran in an empty network namespace.
+        pid: the child's process id (its process group was killed at the end).
     """
 
     ok: bool
@@ -71,6 +72,7 @@ class SandboxResult:
     returncode: int | None
     wall_s: float
     network_isolated: bool
+    pid: int = 0
 
 
 def _unshare_prefix() -> list[str]:
@@ -179,7 +181,7 @@ def run_sandboxed(code: str, handle: Callable[[str, dict[str, Any]], Any],
     if error is None and rc != 0:
         error = _describe_failure(rc, stderr, limits)
     return SandboxResult(ok=error is None, error=error, stdout=stdout, stderr=stderr, returncode=rc,
-                         wall_s=wall, network_isolated=bool(prefix))
+                         wall_s=wall, network_isolated=bool(prefix), pid=proc.pid)
 
 
 def _answer(handle: Callable[[str, dict[str, Any]], Any], line: str) -> dict[str, Any]:
