@@ -21,8 +21,17 @@ from stace import metrics as M
 from stace.gateway import BudgetExhausted, Gateway, Trace
 from stace.library import Library
 from stace.sandbox import SandboxLimits, run_sandboxed
-from stace.schemas import (CodeReply, Critique, Experience, Hypothesis, ProbeInstance, ProbePlan,
-                           Queries, Report, TaskSpec)
+from stace.schemas import (
+    CodeReply,
+    Critique,
+    Experience,
+    Hypothesis,
+    ProbeInstance,
+    ProbePlan,
+    Queries,
+    Report,
+    TaskSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +150,11 @@ class Renderer:
 def _save_png(image: torch.Tensor, path: Path) -> None:
     if path.exists():
         return
+    import io
+
     from PIL import Image
 
     from emma.cache import atomic_write_bytes, to_uint8
-    import io
     buf = io.BytesIO()
     Image.fromarray(to_uint8(image[None])[0]).save(buf, format="PNG")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -99,5 +99,6 @@ def test_a_failing_probe_api_call_reaches_the_program_not_the_harness():
     def handle(op, args):
         raise ValueError("only 0 of the k=0 images are left")
 
-    r = run_sandboxed("try:\n    probe.generate(['x'])\nexcept RuntimeError as e:\n    print('caught', e)", handle, LIMITS)
+    code = "try:\n    probe.generate(['x'])\nexcept RuntimeError as e:\n    print('caught', e)"
+    r = run_sandboxed(code, handle, LIMITS)
     assert r.ok and "caught probe.generate failed: ValueError: only 0 of the k=0" in r.stdout
