@@ -96,7 +96,7 @@ def _overrides(url: str, extra: list[str] = ()) -> list[str]:
     roles = ",".join(f"{r}:{{model:{m}}}" for r, m in ROLE_MODELS.items())
     return ["method=uce", "attacker=stace", "llm=local", "images_per_prompt=1", "prompt_types=[name]",
             "metrics=rates_only", f"llm.base_url={url}", f"llm.api_key_env={KEY_ENV}", "llm.timeout=1.5",
-            "+llm.backoff_s=0.01", "llm.max_retries=3", f"attacker.roles={{{roles}}}", "attacker.iterations=3",
+            "+llm.backoff_s=0.01", "llm.max_retries=3", f"++attacker.roles={{{roles}}}", "attacker.iterations=3",
             "attacker.k=4", "attacker.debate_rounds=1", "attacker.max_code_repairs=1",
             "attacker.probe_mode=code", *extra]
 
