@@ -217,11 +217,17 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     outputs = []
     if attack_requests:  # prompt_types may leave only RA prompts: then there is nothing to attack
         target = GenerationTarget(generator, judges.for_request(attack_requests[0]))
+        if hasattr(attacker, "bind_cell"):  # attackers that write their own files (STACE's trace, report)
+            attacker.bind_cell(output_dir=output_dir, cache_dir=cache_root,
+                               info={"model": cfg.model.name, "method": method.name, "domain": domain.name})
         outputs = attacker.attack(target, attack_requests)
     timing["attack_s"] = time.perf_counter() - t
 
     metrics = cell_metrics.rate_metrics(suite, outputs, seed=int(cfg.seed))
     provenance: dict[str, Any] = {}
+    if outputs and hasattr(attacker, "extra_metrics"):  # e.g. STACE: asr = SIR_H, stace/...
+        metrics.update(attacker.extra_metrics())
+        notes += attacker.notes() if hasattr(attacker, "notes") else []
     suite_judge = judges.for_request(requests[0]).classifier
     if cfg.metrics.fid.enabled:
         t = time.perf_counter()
@@ -316,7 +322,8 @@ def summary_table(result: CellResult) -> str:
     rows = [f"{'metric':<44}{'value':>10}{'95% CI':>22}{'n':>8}"]
     for k, v in sorted(result.metrics.items()):
         ci = f"[{v.ci_low:.3f}, {v.ci_high:.3f}]" if v.ci_low is not None and not np.isnan(v.ci_low) else ""
-        rows.append(f"{k:<44}{v.value:>10.4f}{ci:>22}{v.n:>8}")
+        value = f"{v.value:>10.4f}" if v.value is not None else f"{'null':>10}"
+        rows.append(f"{k:<44}{value}{ci:>22}{v.n:>8}")
     return "\n".join(rows)
 
 

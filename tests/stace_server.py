@@ -1,0 +1,99 @@
+"""A real local HTTP server speaking OpenAI's chat-completions protocol, with scripted replies.
+
+Tests start it in a thread, point ``llm=local`` at it, and read what it received. Replies
+are chosen per request by a Python function of the parsed request body; a reply may be a
+fault: an HTTP status (429, 500), a delay longer than the client's timeout, or text that is
+not JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+
+class Fault:
+    """A scripted failure: ``status`` (an HTTP error) or ``delay_s`` (then the ``text``)."""
+
+    def __init__(self, status: int | None = None, delay_s: float = 0.0, text: str | None = None) -> None:
+        self.status, self.delay_s, self.text = status, delay_s, text
+
+
+class ScriptedChatServer:
+    """``with ScriptedChatServer(reply) as srv: ... srv.url ... srv.requests``.
+
+    Args:
+        reply: ``reply(body, n_for_model) -> str | Fault``; ``n_for_model`` counts earlier
+            requests with the same ``model``.
+        key: the bearer token the server demands (401 otherwise).
+    """
+
+    def __init__(self, reply: Callable[[dict[str, Any], int], Any], key: str | None = None) -> None:
+        self.reply = reply
+        self.key = key
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # keep test output clean
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                with outer._lock:
+                    n = sum(1 for r in outer.requests if r.get("model") == body.get("model"))
+                    outer.requests.append(body)
+                    outer.headers.append(dict(self.headers))
+                if outer.key is not None and self.headers.get("Authorization") != f"Bearer {outer.key}":
+                    return self._send(401, {"error": {"message": "bad key"}})
+                if not self.path.endswith("/chat/completions"):
+                    return self._send(404, {"error": {"message": self.path}})
+                out = outer.reply(body, n)
+                if isinstance(out, Fault):
+                    if out.delay_s:
+                        time.sleep(out.delay_s)
+                    if out.status:
+                        return self._send(out.status, {"error": {"message": f"scripted {out.status}"}})
+                    out = out.text or ""
+                text = out if isinstance(out, str) else json.dumps(out)
+                self._send(200, {
+                    "id": f"c{len(outer.requests)}", "object": "chat.completion", "created": 0,
+                    "model": body.get("model"),
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": text}}],
+                    "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}})
+
+            def _send(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out first
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self) -> "ScriptedChatServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def by_model(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r.get("model") == model]
