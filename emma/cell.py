@@ -28,6 +28,7 @@ from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.api.types import PromptRequest, Sample
+from emma.attack import AttackCache, CellAttackTarget, LazyBaseModel, attack_metrics, attack_records, run_attack
 from emma.cache import ClassifierScoreCache, ImageCache, atomic_write_text, sha256_file
 from emma.erase import erase_cached
 from emma.errors import ConfigError, UnknownChoiceError
@@ -178,6 +179,13 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
             negative_prompt=cfg.model.get("negative_prompt"), guidance=guidance,
         )
 
+    # An attacker refuses a model or request it cannot handle here, before any image is drawn.
+    attack_requests = [r for r in requests if r.group == "ea"]
+    base_model = LazyBaseModel(lambda: load_pipeline(cfg.model), base_fp, make_generator, cfg.model.name)
+    if attack_requests:
+        attacker.check(CellAttackTarget(make_generator(pipe, base_fp), judges.for_request(attack_requests[0]),
+                                        base=base_model, model_name=cfg.model.name), attack_requests)
+
     images_generated = 0
     extra_lines: list[dict[str, Any]] = []  # samples.jsonl lines of the bias images
     bias_cfg = cfg.metrics.bias
@@ -213,17 +221,21 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     timing["suite_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    attack_requests = [r for r in requests if r.group == "ea"]
     outputs = []
+    attack_run = None
     if attack_requests:  # prompt_types may leave only RA prompts: then there is nothing to attack
-        target = GenerationTarget(generator, judges.for_request(attack_requests[0]))
+        target = CellAttackTarget(generator, judges.for_request(attack_requests[0]), base=base_model,
+                                  model_name=cfg.model.name)
         if hasattr(attacker, "bind_cell"):  # attackers that write their own files (STACE's trace, report)
             attacker.bind_cell(output_dir=output_dir, cache_dir=cache_root,
                                info={"model": cfg.model.name, "method": method.name, "domain": domain.name})
-        outputs = attacker.attack(target, attack_requests)
+        attack_run = run_attack(attacker, target, attack_requests, AttackCache(cache_root))
+        outputs = attack_run.outputs
     timing["attack_s"] = time.perf_counter() - t
 
     metrics = cell_metrics.rate_metrics(suite, outputs, seed=int(cfg.seed))
+    if attack_run is not None and attacker.resumable:
+        metrics.update(attack_metrics(attack_run))
     provenance: dict[str, Any] = {}
     if outputs and hasattr(attacker, "extra_metrics"):  # e.g. STACE: asr = SIR_H, stace/...
         metrics.update(attacker.extra_metrics())
@@ -276,7 +288,13 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         "images_cached": generator.images_cached,
         "images_scored": sum(j.images_scored for j in judges.all()),
         "attack_outputs": len(outputs),
+        "images_generated_base": base_model.images_generated,
     }
+    if attack_run is not None and attacker.resumable:
+        counts.update(attack_requests_optimised=attack_run.requests_optimised,
+                      attack_requests_cached=attack_run.requests_cached,
+                      attack_iterations=sum(o.iterations for o in outputs if not o.cached),
+                      **{f"attack_budget_{k}": int(v) for k, v in attacker.budget().items()})
     versions = {
         "package": _package_version("emma-harness"),
         "git": git_hash(),
@@ -306,9 +324,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         versions=versions, timing=timing, counts=counts, notes=notes, provenance=provenance,
     )
     lines = [json.dumps(s.to_json()) for s in samples]
-    lines += [json.dumps({**s.to_json(), "group": "attack", "adversarial_prompt": o.adversarial_prompt,
-                          "attack_index": i, "attack_success": bool(o.success)})
-              for i, o in enumerate(outputs) for s in o.samples]
+    lines += [json.dumps(r) for r in attack_records(outputs, attacker)]
     lines += [json.dumps(line) for line in extra_lines]
     atomic_write_text(output_dir / "samples.jsonl", "\n".join(lines) + "\n")
     result.save(output_dir / "results.json")  # last: its presence marks a finished cell

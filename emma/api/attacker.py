@@ -1,23 +1,76 @@
-"""The Attacker role: find prompts (or embeddings) that bring an erased concept back."""
+"""The Attacker role: find prompts (or embeddings) that bring an erased concept back.
+
+An attacker sees one small typed front, :class:`AttackTarget`: generate images from prompts
+or prompt embeddings with seeds, score them with the cell's judge, the sampler settings, and
+— only when the attacker declares it — differentiable access to the erased model
+(:class:`WhiteBoxModel`: tokenizer, text encoder, UNet, VAE) and the base model it was
+erased from. A target that cannot give what an attacker declares fails with a clear error
+before any work (:meth:`Attacker.check`).
+"""
 
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Protocol, Sequence
+import dataclasses
+from typing import Any, ClassVar, Optional, Protocol, Sequence
 
 import torch
 
 from emma.api.types import AttackOutput, GeneratedImages, PromptRequest
+from emma.errors import ConfigError
 
 
-class AttackTarget(Protocol):
-    """The narrow front an attacker sees: generate and score.
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """How the target draws images (diffusers' argument names)."""
 
-    White-box attackers additionally read ``pipe`` (UNet / text encoder); they declare
-    ``needs_white_box = True``.
-    """
+    num_inference_steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    negative_prompt: Optional[str] = None
 
-    pipe: Any
+
+class WhiteBoxModel(Protocol):
+    """Differentiable access to one Stable-Diffusion-family model (SD v1.x / v2.x: one CLIP
+    text encoder). Every tensor method keeps the autograd graph of its inputs."""
+
+    tokenizer: Any
+    text_encoder: Any
+    context_length: int          # tokens per prompt, start and end tokens included
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+
+    def token_ids(self, prompts: Sequence[str]) -> torch.Tensor:
+        """``(N, context_length)`` ids, padded as the pipeline pads them."""
+
+    def token_embedding_matrix(self) -> torch.Tensor:
+        """``(vocab_size, D)`` input token embeddings (detached)."""
+
+    def encode_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Text-encoder hidden states ``(N, L, D')`` for token ids, as the pipeline uses them."""
+
+    def encode_embeds(self, token_embeds: torch.Tensor) -> torch.Tensor:
+        """The same from input token embeddings ``(N, L, D)`` (differentiable)."""
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """VAE latents (mean, scaled) of ``(N, 3, H, W)`` images in [0, 1]."""
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``x_t`` of the training (DDPM) forward process at integer timesteps ``t``."""
+
+    def denoise(self, noisy_latents: torch.Tensor, t: torch.Tensor,
+                encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The UNet's noise prediction (differentiable w.r.t. ``encoder_hidden_states``)."""
+
+    def decode_ids(self, ids: Sequence[int]) -> str:
+        """Text of token ids (start/end/padding dropped)."""
+
+
+class ImageSource(Protocol):
+    """Generate from prompts or embeddings; one image per (prompt, seed)."""
 
     def generate(
         self,
@@ -26,26 +79,85 @@ class AttackTarget(Protocol):
         *,
         prompt_embeds: torch.Tensor | None = None,
         negative_prompt: str | None = None,
+        progress: bool | str = False,
     ) -> GeneratedImages:
         """Render one image per (prompt or embedding row, seed)."""
 
-    def score(self, images: torch.Tensor) -> torch.Tensor:
+
+class AttackTarget(ImageSource, Protocol):
+    """The narrow front an attacker sees.
+
+    Attributes:
+        sampler: the sampler settings images are drawn with.
+        fingerprint: sha256 of the erased model's weights (keys the attack cache).
+    """
+
+    sampler: SamplerSettings
+    fingerprint: str
+
+    def score(self, images: torch.Tensor, hashes: Sequence[str] | None = None,
+              progress: bool | str = False) -> torch.Tensor:
         """Classifier probabilities for images."""
 
     def detect(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
         """Boolean presence of ``concept`` given :meth:`score`'s output."""
 
+    def concept_score(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
+        """The judge's probability of ``concept`` per image."""
+
+    def white_box(self) -> WhiteBoxModel:
+        """The erased model, differentiable. Raises :class:`AttackTargetError` when the
+        target has none (e.g. a black-box API)."""
+
+    def base_model(self) -> "BaseModel":
+        """The model before erasure. Raises :class:`AttackTargetError` when unavailable."""
+
+
+class BaseModel(ImageSource, Protocol):
+    """The base (not erased) model: generation plus white-box access."""
+
+    def white_box(self) -> WhiteBoxModel:
+        """The base model, differentiable."""
+
+
+class AttackTargetError(ConfigError):
+    """A target that cannot give what an attacker needs."""
+
 
 class Attacker(abc.ABC):
-    """Turns attack requests (target concept + seed prompt) into attack outputs."""
+    """Turns attack requests (target concept + seed prompt) into attack outputs.
+
+    Class attributes declare what the attacker needs from its target:
+    ``needs_text_encoder`` (tokenizer + text encoder), ``needs_white_box`` (also UNet and
+    VAE, differentiable), ``needs_base_model`` (the model before erasure).
+    """
 
     name: ClassVar[str] = "attacker"
     version: ClassVar[str] = "0"
+    needs_text_encoder: ClassVar[bool] = False
     needs_white_box: ClassVar[bool] = False
+    needs_base_model: ClassVar[bool] = False
+    # Optimising attackers are run in batches of requests whose outputs are cached as each
+    # batch finishes (:func:`emma.attack.run_attack`); ``requests_per_batch`` sizes them.
+    resumable: ClassVar[bool] = False
+    requests_per_batch: int = 0
 
     @abc.abstractmethod
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         """One :class:`AttackOutput` per request, in order."""
+
+    def check(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> None:
+        """Raise a :class:`emma.errors.ConfigError` when this attack cannot run on ``target``
+        for ``requests`` — called before any generation. Subclasses extend it."""
+        if self.needs_text_encoder or self.needs_white_box:
+            target.white_box()
+        if self.needs_base_model:
+            target.base_model()
+
+    def budget(self) -> dict[str, int]:
+        """The attack's budget per request (``iterations``, ``queries``: images drawn on the
+        target at most), recorded in results so that attackers are compared at equal budgets."""
+        return {}
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version}

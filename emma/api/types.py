@@ -61,7 +61,16 @@ class Sample:
 @dataclasses.dataclass
 class AttackOutput:
     """What an attacker produced for one request: the adversarial prompt (or embeddings) and
-    the judged images it yields on the target model."""
+    the judged images it yields on the target model.
+
+    Args:
+        adversarial_prompt: hard-token text, replayable on any model.
+        success: the judge found the request's concept in at least one of ``samples``.
+        queries: images the attack drew on the target (its own checks and ``samples``).
+        iterations: optimisation steps (or generations) spent on this request.
+        time_s: wall seconds spent on this request (0 when read from the attack cache).
+        cached: read from the attack cache (no optimisation ran).
+    """
 
     request: PromptRequest
     adversarial_prompt: str
@@ -69,7 +78,16 @@ class AttackOutput:
     success: bool
     prompt_embeds_hash: Optional[str] = None
     queries: int = 0
+    iterations: int = 0
+    time_s: float = 0.0
+    cached: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """What the attack cache stores and ``samples.jsonl`` shows (samples aside)."""
+        return {"adversarial_prompt": self.adversarial_prompt, "success": self.success,
+                "queries": self.queries, "iterations": self.iterations, "time_s": self.time_s,
+                "prompt_embeds_hash": self.prompt_embeds_hash, "extra": self.extra}
 
 
 @dataclasses.dataclass

@@ -1,0 +1,328 @@
+"""The attack stage: the attack target a cell gives attackers, and a resumable runner.
+
+:class:`CellAttackTarget` implements :class:`emma.api.attacker.AttackTarget` over the cell's
+cached generator and judge; :class:`DiffusersWhiteBox` gives differentiable access to an SD
+v1.x / v2.x pipeline; :class:`LazyBaseModel` loads the base model only when an attacker
+declaring ``needs_base_model`` first uses it.
+
+:func:`run_attack` runs an attacker over requests in batches and stores each finished
+request's output under a content address (erased-model fingerprint, sampler, judge, attacker
+config, request): a killed attack resumes at the first unfinished batch, and a finished one
+re-runs with no optimisation (its images and scores come from their caches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from emma.api.attacker import Attacker, AttackTarget, AttackTargetError, SamplerSettings
+from emma.api.types import AttackOutput, GeneratedImages, PromptRequest
+from emma.cache import atomic_write_text, stable_hash, sweep_stale_tmp
+from emma.evaluate import judge_requests
+from emma.generate import CachedGenerator, GenerationTarget, Judge
+from emma.metrics.base import MetricValue
+
+log = logging.getLogger(__name__)
+
+
+def check_family(pipe: Any, model_name: str = "") -> None:
+    """White-box attacks here handle one CLIP text encoder (SD v1.x / v2.x)."""
+    if getattr(pipe, "text_encoder_2", None) is not None:
+        raise AttackTargetError(
+            f"model {model_name or type(pipe).__name__} has two text encoders (SDXL family); the "
+            "white-box and text-encoder attackers support SD v1.x / v2.x pipelines (one CLIP text "
+            "encoder). Use attacker=static for this model."
+        )
+    for part in ("tokenizer", "text_encoder", "unet", "vae", "scheduler"):
+        if getattr(pipe, part, None) is None:
+            raise AttackTargetError(f"model {model_name or type(pipe).__name__} has no {part}; "
+                                    "white-box attackers need a full StableDiffusionPipeline")
+
+
+class DiffusersWhiteBox:
+    """Differentiable access to a diffusers SD pipeline (implements
+    :class:`emma.api.attacker.WhiteBoxModel`). Weights are frozen; gradients flow to inputs."""
+
+    def __init__(self, pipe: Any, model_name: str = "") -> None:
+        check_family(pipe, model_name)
+        from diffusers import DDPMScheduler
+
+        self.pipe = pipe
+        self.tokenizer = pipe.tokenizer
+        self.text_encoder = pipe.text_encoder
+        self.unet = pipe.unet
+        self.vae = pipe.vae
+        for m in (self.text_encoder, self.unet, self.vae):
+            m.requires_grad_(False)
+        self.device = pipe.device
+        self.dtype = pipe.unet.dtype
+        self.context_length = int(self.tokenizer.model_max_length)
+        self.vocab_size = int(self.text_encoder.get_input_embeddings().weight.shape[0])
+        self.bos_token_id = int(self.tokenizer.bos_token_id)
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                                else self.eos_token_id)
+        self.train_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+        self.prediction_type = self.train_scheduler.config.prediction_type
+        self.num_train_timesteps = int(self.train_scheduler.config.num_train_timesteps)
+
+    def token_ids(self, prompts: Sequence[str]) -> torch.Tensor:
+        return self.tokenizer(list(prompts), padding="max_length", max_length=self.context_length,
+                              truncation=True, return_tensors="pt").input_ids.to(self.device)
+
+    def prompt_token_count(self, prompt: str) -> int:
+        """Tokens of ``prompt`` without start/end tokens (untruncated)."""
+        return len(self.tokenizer(prompt, truncation=False).input_ids) - 2
+
+    def token_embedding_matrix(self) -> torch.Tensor:
+        return self.text_encoder.get_input_embeddings().weight.detach()
+
+    def embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder.get_input_embeddings()(input_ids)
+
+    def encode_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids.to(self.device))[0]
+
+    def encode_embeds(self, token_embeds: torch.Tensor) -> torch.Tensor:
+        # CLIPTextModel.forward takes ids only; this is its body from input embeddings on.
+        from transformers.masking_utils import create_causal_mask
+
+        tm = self.text_encoder.text_model if hasattr(self.text_encoder, "text_model") else self.text_encoder
+        hidden = tm.embeddings(inputs_embeds=token_embeds.to(self.text_encoder.dtype))
+        mask = create_causal_mask(config=tm.config, inputs_embeds=hidden, attention_mask=None, cache=None)
+        out = tm.encoder(inputs_embeds=hidden, attention_mask=mask, is_causal=True)
+        return tm.final_layer_norm(out.last_hidden_state)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = images.to(self.device, self.vae.dtype) * 2 - 1
+            return self.vae.encode(x).latent_dist.mean * self.vae.config.scaling_factor
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.train_scheduler.add_noise(latents, noise, t.to(latents.device))
+
+    def training_target(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What the UNet predicts at ``x_t``: the noise (epsilon models) or the velocity (v)."""
+        if self.prediction_type == "v_prediction":
+            return self.train_scheduler.get_velocity(latents, noise, t.to(latents.device))
+        return noise
+
+    def denoise(self, noisy_latents: torch.Tensor, t: torch.Tensor,
+                encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.unet(noisy_latents.to(self.dtype), t.to(self.device),
+                         encoder_hidden_states=encoder_hidden_states.to(self.dtype)).sample.float()
+
+    def decode_ids(self, ids: Sequence[int]) -> str:
+        special = {self.bos_token_id, self.eos_token_id, self.pad_token_id}
+        return self.tokenizer.decode([int(i) for i in ids if int(i) not in special]).strip()
+
+
+class LazyBaseModel:
+    """The base model, loaded on first use (``loader`` returns the pipeline) and checked
+    against the fingerprint the cell recorded before erasure."""
+
+    def __init__(self, loader: Callable[[], Any], fingerprint: str,
+                 make_generator: Callable[[Any, str], CachedGenerator], model_name: str = "") -> None:
+        self.loader, self.fingerprint, self.make_generator = loader, fingerprint, make_generator
+        self.model_name = model_name
+        self._generator: CachedGenerator | None = None
+        self._white_box: DiffusersWhiteBox | None = None
+
+    def _load(self) -> CachedGenerator:
+        if self._generator is None:
+            from emma.pipelines import fingerprint
+
+            pipe = self.loader()
+            fp = fingerprint(pipe)
+            if fp != self.fingerprint:
+                raise AttackTargetError("the reloaded base model differs from the one the cell erased "
+                                        f"(fingerprint {fp[:12]} != {self.fingerprint[:12]})")
+            self._generator = self.make_generator(pipe, fp)
+        return self._generator
+
+    def generate(self, prompts=None, seeds=(), *, prompt_embeds=None, negative_prompt=None,
+                 progress: bool | str = False) -> GeneratedImages:
+        return self._load().generate(prompts, seeds, prompt_embeds=prompt_embeds,
+                                     negative_prompt=negative_prompt, progress=progress)
+
+    def white_box(self) -> DiffusersWhiteBox:
+        if self._white_box is None:
+            self._white_box = DiffusersWhiteBox(self._load().pipe, self.model_name)
+        return self._white_box
+
+    @property
+    def images_generated(self) -> int:
+        return self._generator.images_generated if self._generator is not None else 0
+
+
+class CellAttackTarget(GenerationTarget):
+    """What a cell shows attackers: the erased model's cached generator and judge, its sampler
+    settings and fingerprint, its white box, and the base model when the cell can give it."""
+
+    def __init__(self, generator: CachedGenerator, judge: Judge, *, base: LazyBaseModel | None = None,
+                 white_box_allowed: bool = True, model_name: str = "") -> None:
+        super().__init__(generator, judge)
+        self.sampler = SamplerSettings(generator.num_inference_steps, generator.guidance_scale,
+                                       generator.height, generator.width, generator.negative_prompt)
+        self.fingerprint = generator.model_fingerprint
+        self._base = base
+        self._white_box_allowed = white_box_allowed
+        self._white_box: DiffusersWhiteBox | None = None
+        self.model_name = model_name
+
+    def concept_score(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
+        return probs[:, self.judge.classifier.label_index(concept)]
+
+    def white_box(self) -> DiffusersWhiteBox:
+        if not self._white_box_allowed:
+            raise AttackTargetError("this attack target is black-box (generate and score only); the "
+                                    "attacker needs the model's text encoder / UNet")
+        if self._white_box is None:
+            self._white_box = DiffusersWhiteBox(self.generator.pipe, self.model_name)
+        return self._white_box
+
+    def base_model(self) -> LazyBaseModel:
+        if self._base is None:
+            raise AttackTargetError("the attacker needs the base (not erased) model, which this target "
+                                    "cannot give (e.g. method=checkpoint without model.pretrained)")
+        return self._base
+
+    def check_prompts(self, prompts: Sequence[str], concepts: Sequence[str],
+                      seeds: Sequence[int]) -> tuple[list[bool], list[float]]:
+        """Draw one image per prompt on the erased model and judge it: (detected, concept score)."""
+        if not prompts:
+            return [], []
+        gen = self.generate(list(prompts), list(seeds))
+        probs = self.score(gen.images, gen.hashes)
+        det, score = [], []
+        for i, c in enumerate(concepts):
+            det.append(bool(self.detect(probs[i : i + 1], c)[0]))
+            score.append(float(self.concept_score(probs[i : i + 1], c)[0]))
+        return det, score
+
+
+def judged_outputs(target: AttackTarget, requests: Sequence[PromptRequest], prompts: Sequence[str],
+                   stats: Sequence[dict[str, Any]]) -> list[AttackOutput]:
+    """Render each request's adversarial prompt with the request's seeds, judge the images, and
+    wrap them as outputs. ``stats`` per request: ``queries`` (checks drawn during the attack),
+    ``iterations``, ``time_s`` and any extras."""
+    adv = [dataclasses.replace(r, prompt=p) for r, p in zip(requests, prompts)]
+    samples = judge_requests(target, adv, progress=False)
+    out = []
+    for req, p, s, st in zip(requests, prompts, samples, stats):
+        st = dict(st)
+        out.append(AttackOutput(
+            request=req, adversarial_prompt=p, samples=s, success=any(x.detected for x in s),
+            queries=int(st.pop("queries", 0)) + len(s), iterations=int(st.pop("iterations", 0)),
+            time_s=float(st.pop("time_s", 0.0)), extra=st))
+    return out
+
+
+@dataclasses.dataclass
+class AttackRun:
+    """The attack stage's outputs and what it cost."""
+
+    outputs: list[AttackOutput]
+    requests_optimised: int
+    requests_cached: int
+    wall_s: float
+
+
+class AttackCache:
+    """Finished attack outputs, one JSON file per request, keyed by content."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root) / "attacks"
+        self.root.mkdir(parents=True, exist_ok=True)
+        sweep_stale_tmp(self.root)
+
+    def key(self, target: AttackTarget, attacker: Attacker, request: PromptRequest) -> str:
+        judge = getattr(target, "judge", None)
+        return stable_hash({
+            "model": target.fingerprint,
+            "sampler": dataclasses.asdict(target.sampler),
+            "judge": judge.classifier.cache_key() if judge is not None else None,
+            "attacker": attacker.config(),
+            "request": dataclasses.asdict(request),
+        })
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        p = self.path(key)
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def put(self, key: str, record: dict[str, Any]) -> None:
+        atomic_write_text(self.path(key), json.dumps(record, sort_keys=True, default=str))
+
+
+def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[PromptRequest],
+               cache: AttackCache | None) -> AttackRun:
+    """Attack ``requests`` in batches of ``attacker.requests_per_batch`` (all at once when
+    unset), skipping requests whose output is cached; store each batch as it finishes."""
+    t0 = time.perf_counter()
+    attacker.check(target, requests)
+    if not attacker.resumable:  # e.g. the static suites: their images are cached already
+        outs = attacker.attack(target, requests)
+        return AttackRun(outs, len(outs), 0, time.perf_counter() - t0)
+    keys = [cache.key(target, attacker, r) if cache is not None else "" for r in requests]
+    records = [cache.get(k) if cache is not None else None for k in keys]
+    outputs: list[AttackOutput | None] = [None] * len(requests)
+    done_idx = [i for i, r in enumerate(records) if r is not None]
+    if done_idx:  # replay: images and scores come from their caches
+        replay = judged_outputs(target, [requests[i] for i in done_idx],
+                                [records[i]["adversarial_prompt"] for i in done_idx],
+                                [{"queries": records[i]["queries"] - len(requests[i].seeds()),
+                                  "iterations": records[i]["iterations"], "time_s": 0.0,
+                                  **records[i].get("extra", {})} for i in done_idx])
+        for i, o in zip(done_idx, replay):
+            o.cached = True
+            outputs[i] = o
+    todo = [i for i in range(len(requests)) if outputs[i] is None]
+    per_batch = int(getattr(attacker, "requests_per_batch", 0) or 0) or max(1, len(todo))
+    bar = tqdm(total=len(requests), initial=len(done_idx), desc=f"attack: {attacker.name}", unit="prompt")
+    for s in range(0, len(todo), per_batch):
+        idx = todo[s : s + per_batch]
+        got = attacker.attack(target, [requests[i] for i in idx])
+        for i, o in zip(idx, got):
+            outputs[i] = o
+            if cache is not None:
+                cache.put(keys[i], o.record())
+        bar.update(len(idx))
+        bar.set_postfix(success=sum(o.success for o in outputs if o is not None))
+    bar.close()
+    final = [o for o in outputs if o is not None]
+    return AttackRun(final, len(todo), len(done_idx), time.perf_counter() - t0)
+
+
+def attack_metrics(run: AttackRun) -> dict[str, MetricValue]:
+    """``attack/queries_mean`` (images drawn on the target per attacked prompt, the final
+    judged images included), ``attack/iterations_mean`` and ``attack/time_s`` (wall seconds per
+    attacked prompt; a cached output counts 0)."""
+    outs = run.outputs
+    if not outs:
+        return {}
+    n = len(outs)
+    return {
+        "attack/queries_mean": MetricValue(value=sum(o.queries for o in outs) / n, n=n),
+        "attack/iterations_mean": MetricValue(value=sum(o.iterations for o in outs) / n, n=n),
+        "attack/time_s": MetricValue(value=sum(o.time_s for o in outs) / n, n=n),
+    }
+
+
+def attack_records(outputs: Sequence[AttackOutput], attacker: Attacker) -> list[dict[str, Any]]:
+    """``samples.jsonl`` lines of the attack: each judged image with its attack."""
+    return [{**s.to_json(), "group": "attack", "attack": attacker.name, "attack_index": i,
+             "adversarial_prompt": o.adversarial_prompt, "original_prompt": o.request.prompt,
+             "attack_success": o.success, "queries": o.queries, "iterations": o.iterations,
+             "attack_time_s": o.time_s, "attack_cached": o.cached}
+            for i, o in enumerate(outputs) for s in o.samples]
