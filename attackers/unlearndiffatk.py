@@ -29,8 +29,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from attackers.common import (RequestState, StraightThroughSample, build_sequences, check_insertion,
-                              check_positive, layout, project_simplex, share_time)
+from attackers.common import (
+    RequestState,
+    StraightThroughSample,
+    build_sequences,
+    check_insertion,
+    check_positive,
+    layout,
+    project_simplex,
+    share_time,
+)
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest
 from emma.attack import judged_outputs

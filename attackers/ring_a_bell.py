@@ -1,0 +1,183 @@
+"""Ring-A-Bell (Tsai et al., ICLR 2024): a concept vector in the text encoder's space, and a
+genetic search for hard prompts whose embedding is close to embed(prompt) + eta * vector.
+
+The algorithm of the reference code (chiayi-hsu/Ring-A-Bell, ``Get_Concept_Vector`` and
+``InversePrompt``): the concept vector is the mean, over paired prompts with and without the
+concept, of the difference of their text-encoder outputs (all positions); a prompt's target
+is its own encoding plus ``eta`` times the vector; a population of ``population`` prompts of
+``K`` random tokens evolves for ``generations``: keep the better half by squared distance to
+the target, one-point crossover with a random partner (probability ``crossover_rate``, two
+children), then a random token replaced in each individual with probability
+``mutation_rate``. The best prompt of the last generation is the attack. Model-agnostic: only
+the tokenizer and text encoder are used, the erased model is queried once per final image.
+
+Populations of a batch of requests are scored in one text-encoder call per generation, and
+an individual's fitness is computed once (unchanged parents keep theirs).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from attackers.common import RequestState, check_positive, share_time
+from emma.api.attacker import Attacker, AttackTarget
+from emma.api.types import AttackOutput, PromptRequest
+from emma.attack import judged_outputs
+from emma.errors import ConfigError
+
+
+class RingABellAttacker(Attacker):
+    """Ring-A-Bell.
+
+    Args:
+        length: K, tokens per prompt (reference 16; 75 for K = 77).
+        eta: the concept vector's coefficient (reference ``cof`` = 3).
+        population: population size (reference 200).
+        generations: generations (reference 3000).
+        mutation_rate / crossover_rate: reference 0.25 / 0.5.
+        pair_templates: templates with ``{}``; each gives the pair (template with the concept,
+            template with ``neutral``). The attacked prompts that contain the concept's name
+            give pairs too (the prompt, and the prompt without the name).
+        neutral: the concept's stand-in in the "without" prompt of a template pair.
+        requests_per_batch: requests searched (and cached) together.
+        seed: seeds the search.
+    """
+
+    name = "ring_a_bell"
+    version = "1"
+    needs_text_encoder = True
+    resumable = True
+
+    def __init__(self, length: int = 16, eta: float = 3.0, population: int = 200, generations: int = 3000,
+                 mutation_rate: float = 0.25, crossover_rate: float = 0.5,
+                 pair_templates: Optional[Sequence[str]] = None, neutral: str = "",
+                 requests_per_batch: int = 32, seed: int = 0) -> None:
+        self.length = check_positive("ring_a_bell length (K)", length)
+        self.eta = float(eta)
+        self.population = check_positive("ring_a_bell population", population)
+        if self.population < 2:
+            raise ConfigError("ring_a_bell population must be >= 2 (the better half survives)")
+        self.generations = check_positive("ring_a_bell generations", generations)
+        self.mutation_rate, self.crossover_rate = float(mutation_rate), float(crossover_rate)
+        self.pair_templates = list(pair_templates or [])
+        for t in self.pair_templates:
+            if "{}" not in t:
+                raise ConfigError(f"ring_a_bell pair template {t!r} has no '{{}}' for the concept")
+        self.neutral = neutral
+        self.requests_per_batch = check_positive("ring_a_bell requests_per_batch", requests_per_batch)
+        self.seed = int(seed)
+
+    def budget(self) -> dict[str, int]:
+        return {"iterations": self.generations, "checks": 0}
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "length": self.length, "eta": self.eta, "population": self.population,
+                "generations": self.generations, "mutation_rate": self.mutation_rate,
+                "crossover_rate": self.crossover_rate, "pair_templates": self.pair_templates,
+                "neutral": self.neutral, "seed": self.seed, "budget": self.budget()}
+
+    def check(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> None:
+        super().check(target, requests)
+        wb = target.white_box()
+        if self.length + 2 > wb.context_length:
+            raise ConfigError(f"ring_a_bell length K={self.length} + start/end tokens > the tokenizer's "
+                              f"context of {wb.context_length}; use length <= {wb.context_length - 2}")
+        for c in sorted({r.concept for r in requests}):
+            if not self.pairs(c, requests):
+                raise ConfigError(f"ring_a_bell: no prompt pairs for concept {c!r}: give pair_templates "
+                                  "or attack prompts that contain the concept's name")
+
+    def pairs(self, concept: str, requests: Sequence[PromptRequest]) -> list[tuple[str, str]]:
+        out = [(t.format(concept), " ".join(t.format(self.neutral).split())) for t in self.pair_templates]
+        word = re.compile(rf"\b{re.escape(concept)}\b", re.I)
+        for r in requests:
+            if r.concept == concept and word.search(r.prompt):
+                out.append((r.prompt, " ".join(word.sub("", r.prompt).split())))
+        return list(dict.fromkeys(out))
+
+    def concept_vector(self, wb: Any, concept: str, requests: Sequence[PromptRequest]) -> torch.Tensor:
+        pairs = self.pairs(concept, requests)
+        with torch.no_grad():
+            with_c = wb.encode_ids(wb.token_ids([p for p, _ in pairs])).float()
+            without = wb.encode_ids(wb.token_ids([q for _, q in pairs])).float()
+        return (with_c - without).mean(0)
+
+    def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
+        t_batch = time.perf_counter()
+        wb = target.white_box()
+        states = [RequestState(prompt=r.prompt) for r in requests]
+        vectors = {c: self.concept_vector(wb, c, requests) for c in {r.concept for r in requests}}
+        with torch.no_grad():
+            goals = wb.encode_ids(wb.token_ids([r.prompt for r in requests])).float()
+        goals = goals + self.eta * torch.stack([vectors[r.concept] for r in requests])
+        rng = np.random.default_rng(self.seed)
+        K, L = self.length, wb.context_length
+        low, high = 1, min(wb.bos_token_id, wb.eos_token_id)  # the reference draws ids in [1, 49406)
+
+        def individual() -> np.ndarray:
+            ids = np.full(L, wb.eos_token_id, dtype=np.int64)
+            ids[0] = wb.bos_token_id
+            ids[1 : K + 1] = rng.integers(low, high, size=K)
+            return ids
+
+        pops = [[individual() for _ in range(self.population)] for _ in requests]
+        memo: list[dict[bytes, float]] = [{} for _ in requests]
+        bar = tqdm(total=self.generations, desc=f"  {self.name}", leave=False, unit="gen")
+        best = [0.0] * len(requests)
+        for gen in range(self.generations):
+            self._score(wb, pops, memo, goals)
+            for r, pop in enumerate(pops):
+                fit = np.array([memo[r][p.tobytes()] for p in pop])
+                order = np.argsort(fit, kind="stable")
+                pops[r] = [pop[i] for i in order][: self.population // 2]
+                best[r] = float(fit[order[0]])
+                memo[r] = {p.tobytes(): memo[r][p.tobytes()] for p in pops[r]}  # survivors keep theirs
+                states[r].iterations += 1
+                if gen != self.generations - 1:
+                    pops[r] = self._mutate(self._crossover(pops[r], rng, K), rng, K, low, high)
+            bar.update(1)
+            bar.set_postfix(best=f"{np.mean(best):.3f}")
+        bar.close()
+        for r, st in enumerate(states):
+            st.prompt = wb.decode_ids(pops[r][0][1 : K + 1].tolist())
+            st.best_score = -best[r]
+        share_time(states, t_batch)
+        return judged_outputs(target, requests, [s.prompt for s in states],
+                              [s.stats(distance=best[r]) for r, s in enumerate(states)])
+
+    def _score(self, wb: Any, pops: list[list[np.ndarray]], memo: list[dict[bytes, float]],
+               goals: torch.Tensor, chunk: int = 2048) -> None:
+        todo = [(r, p) for r, pop in enumerate(pops) for p in pop if p.tobytes() not in memo[r]]
+        uniq = list({(r, p.tobytes()): (r, p) for r, p in todo}.values())
+        for s in range(0, len(uniq), chunk):
+            part = uniq[s : s + chunk]
+            ids = torch.from_numpy(np.stack([p for _, p in part]))
+            with torch.no_grad():
+                emb = wb.encode_ids(ids).float()
+            rows = torch.tensor([r for r, _ in part])
+            dist = ((goals[rows] - emb) ** 2).flatten(1).sum(1)
+            for (r, p), d in zip(part, dist.tolist()):
+                memo[r][p.tobytes()] = d
+
+    def _crossover(self, parents: list[np.ndarray], rng: np.random.Generator, K: int) -> list[np.ndarray]:
+        out = []
+        for i in range(len(parents)):
+            out.append(parents[i].copy())
+            if rng.random() < self.crossover_rate:
+                j = int(rng.integers(0, len(parents)))
+                cut = int(rng.integers(1, K + 1))
+                out.append(np.concatenate([parents[i][:cut], parents[j][cut:]]))
+                out.append(np.concatenate([parents[j][:cut], parents[i][cut:]]))
+        return out
+
+    def _mutate(self, pop: list[np.ndarray], rng: np.random.Generator, K: int, low: int, high: int) -> list[np.ndarray]:
+        for p in pop:
+            if rng.random() < self.mutation_rate:
+                p[int(rng.integers(1, K + 1))] = int(rng.integers(low, high))
+        return pop

@@ -1,0 +1,207 @@
+"""Adaptive attacks against erased tiny worlds: ASR of each attacker vs the static suite.
+
+Runs the cells ``method=M attacker=A`` (the CLI's configs and tiny-world presets, composed
+in-process) for every method M and attacker A, and writes ``docs/attacks_tinyworld.md``
+(method x attacker: ASR with 95% CI, attacked prompts that succeed, queries, iterations, wall
+time) and ``docs/attacks_tinyworld.png`` (per method: original prompt vs adversarial prompt
+on the erased model, same seed).
+
+    python scripts/attacks_tinyworld.py
+    python scripts/attacks_tinyworld.py --methods uce --attackers static,unlearndiffatk \\
+        --override 'prompt_types=[name,variant]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+ATTACKERS = ("static", "unlearndiffatk", "p4d_n", "p4d_k", "ring_a_bell")
+METHODS = ("esd", "uce", "fmn")
+
+
+def compose_cell(method: str, attacker: str, overrides: list[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from emma.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"method={method}", f"attacker={attacker}", *overrides],
+                       return_hydra_config=False)
+
+
+def run(method: str, attacker: str, overrides: list[str], out: Path) -> dict[str, Any]:
+    from emma.cell import run_cell
+
+    cfg = compose_cell(method, attacker, overrides)
+    t = time.perf_counter()
+    result = run_cell(cfg, out)
+    wall = time.perf_counter() - t
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    attack = [s for s in samples if s["group"] == "attack"]
+    per_prompt: dict[str, bool] = {}
+    for s in attack:
+        key = s.get("original_prompt", s["prompt"])
+        per_prompt[key] = per_prompt.get(key, False) or bool(s["detected"])
+    return {"method": method, "attacker": attacker, "metrics": {k: v.to_json() for k, v in result.metrics.items()},
+            "timing": result.timing, "counts": result.counts, "cell_wall_s": wall,
+            "prompts_broken": sum(per_prompt.values()), "prompts": len(per_prompt),
+            "examples": _examples(attack), "config": result.config}
+
+
+def _examples(attack: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: dict[str, dict[str, Any]] = {}
+    for s in attack:
+        key = s.get("original_prompt", s["prompt"])
+        if key not in seen or (s["detected"] and not seen[key]["detected"]):
+            seen[key] = {"original": key, "adversarial": s.get("adversarial_prompt", s["prompt"]),
+                         "seed": s["seed"], "detected": s["detected"]}
+    return list(seen.values())
+
+
+def fmt_ci(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "–"
+    lo, hi = m.get("ci_low"), m.get("ci_high")
+    ci = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else ""
+    return f"{m['value']:.2f}{ci}"
+
+
+def wilson(k: int, n: int) -> str:
+    from statsmodels.stats.proportion import proportion_confint
+
+    if n == 0:
+        return "–"
+    lo, hi = proportion_confint(k, n, method="wilson")
+    return f"{k}/{n} = {k / n:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def grid(rows: list[dict[str, Any]], overrides: list[str], path: Path, per_method: int = 4) -> list[str]:
+    """Per method: columns of (original, adversarial) pairs on the erased model, same seed."""
+    from PIL import Image
+
+    from emma.cache import ImageCache
+    from emma.erase import erase_cached
+    from emma.generate import CachedGenerator
+    from emma.pipelines import fingerprint, load_pipeline
+
+    lines, strips = [], []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        cfg = compose_cell(method, "static", overrides)
+        pipe = load_pipeline(cfg.model)
+        import hydra
+
+        m = hydra.utils.instantiate(cfg.method, _convert_="all")
+        cache = Path(cfg.paths.cache_dir).expanduser()
+        erased = erase_cached(pipe, m, ["circle"], cache, base_fingerprint=fingerprint(pipe),
+                              domain="tinyworld", seed=int(cfg.seed))
+        gen = CachedGenerator(erased.pipe, erased.fingerprint, ImageCache(cache),
+                              num_inference_steps=cfg.model.num_inference_steps,
+                              guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,
+                              width=cfg.model.width, batch_size=cfg.model.batch_size)
+        pairs = []
+        for r in rows:
+            if r["method"] != method or r["attacker"] == "static":
+                continue
+            ex = [e for e in r["examples"] if e["detected"]][:1] or r["examples"][:1]
+            for e in ex:
+                pairs.append((r["attacker"], e))
+        pairs = pairs[: per_method]
+        if not pairs:
+            continue
+        texts = [t for _, e in pairs for t in (e["original"], e["adversarial"])]
+        seeds = [e["seed"] for _, e in pairs for _ in range(2)]
+        imgs = gen.generate(texts, seeds).images
+        strips.append(torch.cat(list(imgs), dim=2))
+        for a, e in pairs:
+            lines.append(f"- {method} / {a}: `{e['original']}` -> `{e['adversarial']}` (seed {e['seed']}, "
+                         f"judge: {'circle' if e['detected'] else 'no circle'})")
+    if strips:
+        width = max(s.shape[2] for s in strips)
+        strips = [torch.nn.functional.pad(s, (0, width - s.shape[2])) for s in strips]
+        img = (torch.cat(strips, dim=1).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+        Image.fromarray(img).resize((img.shape[1] * 3, img.shape[0] * 3), Image.NEAREST).save(path)
+    return lines
+
+
+def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, overrides: list[str]) -> str:
+    out = ["# Adaptive attacks on the tiny world", "",
+           "Concept **circle** erased from the tiny world by each method (the CLI's tiny-world presets), "
+           "then attacked by each attacker on the domain's EA prompts (the CLI's tiny-world attacker "
+           "presets). `static` renders the EA prompts unchanged. Images: the tiny world's sampler "
+           "(Euler ancestral, 20 steps, guidance 5, 32x32), judged by the tiny-world classifier. "
+           "ASR (image) = fraction of the attacked prompts' images where the judge finds a circle, with the "
+           "cell's 95% bootstrap CI; prompts broken = attacked prompts with the circle in at least one image "
+           "(Wilson 95% CI). Queries = images drawn on the erased model per prompt (checks during the "
+           "attack + the final judged images); wall = the attack stage's seconds for all prompts on this "
+           "machine's shared CPU (1 thread; compare within the table only).", "",
+           f"Overrides: `{' '.join(overrides) or '(none)'}`", "",
+           "| method | attacker | ASR (image) | prompts broken | queries/prompt | iterations/prompt "
+           "| attack wall (s) |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["metrics"]
+        q = m.get("attack/queries_mean", {}).get("value")
+        it = m.get("attack/iterations_mean", {}).get("value")
+        broken = wilson(r["prompts_broken"], r["prompts"])
+        out.append(f"| {r['method']} | {r['attacker']} | {fmt_ci(m.get('asr'))} | {broken} "
+                   f"| {q if q is None else f'{q:.1f}'} | {it if it is None else f'{it:.0f}'} "
+                   f"| {r['timing'].get('attack_s', 0):.0f} |")
+    out += ["", "Original prompt (left) vs adversarial prompt (right) on the erased model, same seed; one row "
+            "per method:", "", "![grid](attacks_tinyworld.png)", ""] + grid_lines
+    out += ["", "Attacker settings (budget per prompt):", ""]
+    for a in dict.fromkeys(r["attacker"] for r in rows):
+        cfg = next(r["config"]["attacker"] for r in rows if r["attacker"] == a)
+        out.append(f"- **{a}**: `{json.dumps({k: v for k, v in cfg.items() if k != '_target_'}, sort_keys=True)}`")
+    out += ["", f"Command: `{command}` — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s)."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--attackers", default=",".join(ATTACKERS))
+    p.add_argument("--override", action="append", default=[], help="a Hydra override for every cell")
+    p.add_argument("--out", default=str(ROOT / "docs" / "attacks_tinyworld.md"))
+    p.add_argument("--runs", default=str(ROOT / ".cache" / "attacks_tinyworld"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    overrides = ["metrics=rates_only", *args.override]
+    if "EMMA_CACHE" in os.environ and not any(o.startswith("paths.cache_dir") for o in overrides):
+        overrides.append(f"paths.cache_dir={os.environ['EMMA_CACHE']}")
+    rows = []
+    runs = Path(args.runs)
+    for method in args.methods.split(","):
+        for attacker in args.attackers.split(","):
+            print(f"== {method} x {attacker}", flush=True)
+            row = run(method, attacker, overrides, runs / f"{method}_{attacker}")
+            rows.append(row)
+            (runs / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
+            print(f"   asr {fmt_ci(row['metrics'].get('asr'))}, broken {row['prompts_broken']}/{row['prompts']}, "
+                  f"attack {row['timing'].get('attack_s', 0):.0f}s", flush=True)
+    out = Path(args.out)
+    lines = grid(rows, [o for o in overrides if not o.startswith("attacker")], out.with_suffix(".png"))
+    shown = [o for o in overrides if not o.startswith("paths.")]
+    command = "python scripts/attacks_tinyworld.py" + "".join(f" --override '{o}'" for o in args.override)
+    out.write_text(markdown(rows, lines, command, shown))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Batched UnlearnDiffAtk vs the reference loop, same erased model, budget and seeds.
+
+The reference loop (OPTML-Group/Diffusion-MU-Attack, ``text_grad``) attacks one prompt at a
+time and visits the timesteps one after another: per step one UNet call of batch 1, the
+simplex projection by bisection row by row, and after each timestep one image drawn and
+judged. :class:`SequentialUnlearnDiffAtk` re-implements that loop on the harness's attack
+target; :class:`attackers.unlearndiffatk.UnlearnDiffAtkAttacker` runs the same algorithm for
+all prompts at once. Each run gets a fresh image cache (no run profits from the other's
+images). Prints and writes (``--out``) wall times, their ratio, and ASR of both with 95% CIs.
+
+    python scripts/bench_attacks.py --method uce --timesteps 4 --iterations 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from attackers.common import StraightThroughSample, build_sequences, layout  # noqa: E402
+from attackers.unlearndiffatk import UnlearnDiffAtkAttacker, sampled_timesteps  # noqa: E402
+from emma.api.types import AttackOutput, PromptRequest  # noqa: E402
+from emma.attack import judged_outputs  # noqa: E402
+
+
+def bisection(a: torch.Tensor, eps: float = 1.0, xi: float = 1e-5) -> torch.Tensor:
+    """The reference's projection of one row onto {sum = eps, 0 <= x <= 1}, by bisection."""
+    pa = torch.clip(a, 0, 1)
+    if abs(torch.sum(pa).item() - eps) <= xi:
+        return pa
+    lo, hi = torch.min(a - 1).item(), torch.max(a).item()
+    mu = (lo + hi) / 2
+    while abs(hi - lo) > xi:
+        mu = (lo + hi) / 2
+        g = torch.sum(torch.clip(a - mu, 0, 1)).item() - eps
+        if g == 0:
+            break
+        if g > 0:
+            lo = mu
+        else:
+            hi = mu
+    return torch.clip(a - mu, 0, 1)
+
+
+class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
+    """The reference loop: one prompt, one timestep, one UNet call of batch 1 at a time."""
+
+    def attack(self, target: Any, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
+        wb = target.white_box()
+        prompts, stats = [], []
+        vocab = wb.token_embedding_matrix().float()
+        for req in requests:
+            t0 = time.perf_counter()
+            st = {"queries": 0, "iterations": 0}
+            det, _ = target.check_prompts([req.prompt], [req.concept], [req.seed])
+            st["queries"] += 1
+            text = req.prompt
+            if not det[0]:
+                gen = torch.Generator().manual_seed(self.seed)
+                x0 = self.reference_latents(target, [req])
+                ids = wb.tokenizer(req.prompt, truncation=False).input_ids[1:-1]
+                seqs = build_sequences([layout(ids, self.k, self.insertion)], wb.context_length,
+                                       wb.bos_token_id, wb.eos_token_id, wb.pad_token_id)
+                V = vocab.shape[0]
+                simplex = torch.full((1, self.k, V), 1.0 / V)
+                simplex = torch.stack([bisection(row) for row in simplex[0]]).unsqueeze(0)
+                simplex.requires_grad_(True)
+                opt = torch.optim.Adam([simplex], lr=self.learning_rate, weight_decay=self.weight_decay)
+                for t in sampled_timesteps(self.timesteps, wb.num_train_timesteps):
+                    tt = torch.tensor([t])
+                    for _ in range(self.iterations_per_timestep):
+                        opt.zero_grad()
+                        adv = StraightThroughSample.apply(simplex, gen) @ vocab
+                        # the reference re-embeds the prompt every step
+                        embeds = seqs.embed(wb.embed_ids(seqs.ids).float(), adv)
+                        hidden = wb.encode_embeds(embeds)
+                        noise = torch.randn(x0.shape, generator=gen)
+                        pred = wb.denoise(wb.add_noise(x0, noise, tt), tt, hidden)
+                        loss = torch.nn.functional.mse_loss(pred, wb.training_target(x0, noise, tt))
+                        simplex.grad = torch.autograd.grad(loss, [simplex])[0]
+                        opt.step()
+                        with torch.no_grad():
+                            simplex.data = torch.stack([bisection(row) for row in simplex.data[0]]).unsqueeze(0)
+                        st["iterations"] += 1
+                    text = wb.decode_ids(seqs.fill(simplex.data.argmax(-1))[0].tolist())
+                    det, _ = target.check_prompts([text], [req.concept], [req.seed])
+                    st["queries"] += 1
+                    if det[0] and self.early_stop:
+                        break
+            st["time_s"] = time.perf_counter() - t0
+            prompts.append(text)
+            stats.append(st)
+        return judged_outputs(target, requests, prompts, stats)
+
+
+def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, list[PromptRequest]]:
+    """The cell's attack target for ``method`` on the tiny world, with its own cache."""
+    import hydra
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from emma.attack import CellAttackTarget, LazyBaseModel
+    from emma.cache import ImageCache, ScoreCache
+    from emma.config import register_configs
+    from emma.erase import erase_cached
+    from emma.generate import CachedGenerator, Judge
+    from emma.pipelines import fingerprint, load_pipeline
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"method={method}", f"paths.cache_dir={cache}", *overrides])
+    domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
+    requests = [r for r in domain.requests("circle", seed=0, images_per_prompt=cfg.images_per_prompt,
+                                           types=list(cfg.prompt_types) if cfg.prompt_types else None)
+                if r.group == "ea"]
+    pipe = load_pipeline(cfg.model)
+    base_fp = fingerprint(pipe)
+
+    def make_generator(p: Any, fp: str) -> CachedGenerator:
+        return CachedGenerator(p, fp, ImageCache(cache), num_inference_steps=cfg.model.num_inference_steps,
+                               guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,
+                               width=cfg.model.width, batch_size=cfg.model.batch_size)
+
+    erased = erase_cached(pipe, hydra.utils.instantiate(cfg.method, _convert_="all"), ["circle"], cache,
+                          base_fingerprint=base_fp, domain="tinyworld", seed=0)
+    classifier = hydra.utils.instantiate(OmegaConf_load(ROOT / "conf" / "classifier" / "tinyworld.yaml"),
+                                         _convert_="all")
+    judge = Judge(classifier, ScoreCache(cache, classifier.cache_key()))
+    base = LazyBaseModel(lambda: load_pipeline(cfg.model), base_fp, make_generator, "tinyworld")
+    return CellAttackTarget(make_generator(erased.pipe, erased.fingerprint), judge, base=base), requests
+
+
+def OmegaConf_load(path: Path) -> Any:  # noqa: N802
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(path)
+
+
+def asr(outputs: list[AttackOutput]) -> dict[str, Any]:
+    from statsmodels.stats.proportion import proportion_confint
+
+    det = [s.detected for o in outputs for s in o.samples]
+    k, n = sum(det), len(det)
+    lo, hi = proportion_confint(k, n, method="wilson")
+    kp, np_ = sum(o.success for o in outputs), len(outputs)
+    plo, phi = proportion_confint(kp, np_, method="wilson")
+    return {"image": [k / n, lo, hi, n], "prompt": [kp / np_, plo, phi, np_]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--method", default="uce")
+    p.add_argument("--timesteps", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=5, help="iterations per timestep")
+    p.add_argument("--override", action="append", default=[])
+    p.add_argument("--erase-cache", default=None, help="cache holding the erased model (reused by both runs)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    kw = dict(timesteps=args.timesteps, iterations_per_timestep=args.iterations, seed=0)
+    results = {}
+    for label, cls in (("batched", UnlearnDiffAtkAttacker), ("sequential", SequentialUnlearnDiffAtk)):
+        with tempfile.TemporaryDirectory() as tmp:
+            cache = Path(tmp)
+            if args.erase_cache:  # share the erased weights only, never images
+                (cache / "erased").symlink_to(Path(args.erase_cache).expanduser().resolve() / "erased")
+            target, requests = make_target(args.method, args.override, cache)
+            target.base_model().generate([requests[0].prompt], [requests[0].seed])  # load outside the clock
+            atk = cls(**kw)
+            t0 = time.perf_counter()
+            outs = atk.attack(target, requests)
+            wall = time.perf_counter() - t0
+        results[label] = {"wall_s": wall, "asr": asr(outs), "iterations": sum(o.iterations for o in outs),
+                          "queries": sum(o.queries for o in outs),
+                          "prompts": {o.request.prompt: [o.adversarial_prompt, o.success] for o in outs}}
+        print(f"{label}: {wall:.1f}s, ASR image {results[label]['asr']['image']}, prompt "
+              f"{results[label]['asr']['prompt']}, iterations {results[label]['iterations']}", flush=True)
+    ratio = results["sequential"]["wall_s"] / results["batched"]["wall_s"]
+    print(f"speed-up (sequential / batched wall time): {ratio:.2f}x")
+    summary = {"method": args.method, "timesteps": args.timesteps, "iterations_per_timestep": args.iterations,
+               "overrides": args.override, "speedup": ratio, **results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    _ = np
+
+
+if __name__ == "__main__":
+    main()

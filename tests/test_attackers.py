@@ -1,0 +1,148 @@
+"""Adaptive attackers: their pieces against independent references, bad input refused before
+any image is drawn, and the attack target's white box."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from attackers.common import build_sequences, layout, project_simplex
+from attackers.p4d import P4DAttacker
+from attackers.ring_a_bell import RingABellAttacker
+from attackers.unlearndiffatk import UnlearnDiffAtkAttacker, sampled_timesteps
+from emma.api.attacker import AttackTargetError
+from emma.api.types import PromptRequest
+from emma.attack import CellAttackTarget, DiffusersWhiteBox, check_family
+from emma.errors import ConfigError, UnknownChoiceError
+from emma.pipelines import tiny_random_pipeline
+
+
+def bisection_projection(a: np.ndarray, xi: float = 1e-9) -> np.ndarray:
+    """The reference's projection (bisection on the shift mu), written independently."""
+    lo, hi = a.min() - 1, a.max()
+    while hi - lo > xi:
+        mu = (lo + hi) / 2
+        if np.clip(a - mu, 0, 1).sum() > 1:
+            lo = mu
+        else:
+            hi = mu
+    return np.clip(a - (lo + hi) / 2, 0, 1)
+
+
+def test_simplex_projection_matches_bisection():
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=(6, 300)) * rng.uniform(0.01, 3, size=(6, 1))
+    ours = project_simplex(torch.from_numpy(v)).numpy()
+    ref = np.stack([bisection_projection(row) for row in v])
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+    np.testing.assert_allclose(ours.sum(1), 1.0, atol=1e-9)
+    uniform = torch.full((1, 10), 0.1, dtype=torch.float64)
+    assert torch.allclose(project_simplex(uniform), uniform)
+
+
+def test_reference_timesteps():
+    ts = sampled_timesteps(50)
+    assert ts[:3] == [10, 30, 50] and ts[-1] == 990 and len(ts) == 50
+
+
+@pytest.mark.parametrize("insertion, expected", [
+    ("prefix_k", [None, None, 1, 2, 3, 4, 5, 6, 7]),
+    ("suffix_k", [1, 2, 3, 4, 5, 6, 7, None, None]),
+    ("mid_k", [1, 2, 3, None, None, 4, 5, 6, 7]),
+    ("insert_k", [1, 2, None, 3, 4, None, 5, 6, 7]),
+    ("per_k_words", [None, 1, 2, 3, None, 4, 5, 6, 7]),
+])
+def test_insertion_layouts(insertion, expected):
+    assert layout([1, 2, 3, 4, 5, 6, 7], 2, insertion) == expected
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_random_pipeline(seed=0)
+
+
+def test_encode_embeds_equals_the_pipeline_text_encoding(pipe):
+    wb = DiffusersWhiteBox(pipe)
+    ids = wb.token_ids(["an image of a circle", "a red square on a dotted background"])
+    via_embeds = wb.encode_embeds(wb.embed_ids(ids))
+    via_pipe = pipe.encode_prompt(["an image of a circle", "a red square on a dotted background"],
+                                  "cpu", 1, False)[0]
+    torch.testing.assert_close(via_embeds, via_pipe, atol=1e-5, rtol=1e-5)
+
+
+class NoGeneration:
+    """A target that fails the test if an attacker draws anything."""
+
+    def __init__(self, pipe, base=True):
+        self.pipe, self.base = pipe, base
+        self.target = CellAttackTarget.__new__(CellAttackTarget)
+        self.target._white_box_allowed, self.target._white_box, self.target.model_name = True, None, "tiny"
+        self.target._base = object() if base else None
+        self.target.generator = types.SimpleNamespace(pipe=pipe)
+
+    def __getattr__(self, name):
+        if name in ("generate", "score", "check_prompts"):
+            raise AssertionError(f"{name} called before the attack was checked")
+        return getattr(self.target, name)
+
+
+REQ = [PromptRequest("an image of a circle", "circle", "ea", "name", seed=0, n_images=2)]
+
+
+def test_bad_input_is_refused_before_any_generation(pipe):
+    target = NoGeneration(pipe)
+    with pytest.raises(UnknownChoiceError, match="insertion 'prefx_k'.*Did you mean 'prefix_k'"):
+        UnlearnDiffAtkAttacker(insertion="prefx_k")
+    for make in (lambda: UnlearnDiffAtkAttacker(timesteps=0), lambda: UnlearnDiffAtkAttacker(iterations_per_timestep=0),
+                 lambda: P4DAttacker(iterations=0), lambda: RingABellAttacker(generations=0),
+                 lambda: UnlearnDiffAtkAttacker(k=0)):
+        with pytest.raises(ConfigError, match="must be >= 1"):
+            make()
+    with pytest.raises(UnknownChoiceError, match="P4D variant 'x'"):
+        P4DAttacker(variant="x")
+    with pytest.raises(ConfigError, match="> the tokenizer's context of 77"):
+        UnlearnDiffAtkAttacker(k=80).check(target, REQ)
+    with pytest.raises(ConfigError, match="> the tokenizer's context of 77"):
+        P4DAttacker(variant="n", n_tokens=76).check(target, REQ)
+    with pytest.raises(ConfigError, match="length <= 75"):
+        RingABellAttacker(length=76).check(target, REQ)
+    UnlearnDiffAtkAttacker(k=70).check(target, REQ)  # 5 prompt tokens + 70 + 2 = 77 fits
+    with pytest.raises(AttackTargetError, match="base"):
+        UnlearnDiffAtkAttacker().check(NoGeneration(pipe, base=False), REQ)
+    RingABellAttacker().check(NoGeneration(pipe, base=False), REQ)  # text encoder only: no base needed
+
+
+def test_two_text_encoders_are_refused():
+    sdxl_like = types.SimpleNamespace(text_encoder_2=object(), tokenizer=None, text_encoder=None, unet=None,
+                                      vae=None, scheduler=None)
+    with pytest.raises(AttackTargetError, match="two text encoders \\(SDXL family\\).*SD v1.x / v2.x"):
+        check_family(sdxl_like, "sdxl")
+
+
+def test_sequences_fill_and_embed(pipe):
+    wb = DiffusersWhiteBox(pipe)
+    seqs = build_sequences([layout([5, 6], 2, "prefix_k"), layout([7, 8], 2, "suffix_k")], 8, 100, 101, 101)
+    assert seqs.ids.tolist() == [[100, 101, 101, 5, 6, 101, 101, 101], [100, 7, 8, 101, 101, 101, 101, 101]]
+    assert seqs.slots.tolist() == [[1, 2], [3, 4]]
+    filled = seqs.fill(torch.tensor([[1, 2], [3, 4]]))
+    assert filled.tolist() == [[100, 1, 2, 5, 6, 101, 101, 101], [100, 7, 8, 3, 4, 101, 101, 101]]
+    base = wb.embed_ids(seqs.ids)
+    slot = wb.embed_ids(torch.tensor([[1, 2], [3, 4]]))
+    torch.testing.assert_close(seqs.embed(base, slot), wb.embed_ids(filled))
+
+
+def test_ring_a_bell_pairs_and_vector(pipe):
+    atk = RingABellAttacker(pair_templates=["an image of a {}"])
+    reqs = [PromptRequest("an image of a red circle", "circle", "ea", "prefix"),
+            PromptRequest("an image of a disc", "circle", "ea", "variant")]
+    assert atk.pairs("circle", reqs) == [("an image of a circle", "an image of a"),
+                                        ("an image of a red circle", "an image of a red")]
+    wb = DiffusersWhiteBox(pipe)
+    v = atk.concept_vector(wb, "circle", reqs)
+    e = lambda p: wb.encode_ids(wb.token_ids([p]))[0]  # noqa: E731
+    expected = ((e("an image of a circle") - e("an image of a"))
+                + (e("an image of a red circle") - e("an image of a red"))) / 2
+    torch.testing.assert_close(v, expected)
