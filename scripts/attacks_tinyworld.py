@@ -91,7 +91,7 @@ def wilson(k: int, n: int) -> str:
     return f"{k}/{n} = {k / n:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
-def grid(rows: list[dict[str, Any]], overrides: list[str], path: Path, per_method: int = 4) -> list[str]:
+def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path, per_method: int = 4) -> list[str]:
     """Per method: columns of (original, adversarial) pairs on the erased model, same seed."""
     from PIL import Image
 
@@ -102,7 +102,7 @@ def grid(rows: list[dict[str, Any]], overrides: list[str], path: Path, per_metho
 
     lines, strips = [], []
     for method in dict.fromkeys(r["method"] for r in rows):
-        cfg = compose_cell(method, "static", overrides)
+        cfg = compose_cell(method, "static", overrides[method])
         pipe = load_pipeline(cfg.model)
         import hydra
 
@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--attackers", default=",".join(ATTACKERS))
     p.add_argument("--override", action="append", default=[], help="a Hydra override for every cell")
+    p.add_argument("--method-override", action="append", default=[],
+                   help="METHOD:OVERRIDE, a Hydra override for that method's cells only")
+    p.add_argument("--from-rows", action="store_true", help="only render the finished cells of --runs")
     p.add_argument("--out", default=str(ROOT / "docs" / "attacks_tinyworld.md"))
     p.add_argument("--runs", default=str(ROOT / ".cache" / "attacks_tinyworld"))
     args = p.parse_args(argv)
@@ -185,20 +188,31 @@ def main(argv: list[str] | None = None) -> None:
     overrides = ["metrics=rates_only", *args.override]
     if "EMMA_CACHE" in os.environ and not any(o.startswith("paths.cache_dir") for o in overrides):
         overrides.append(f"paths.cache_dir={os.environ['EMMA_CACHE']}")
-    rows = []
+    per_method: dict[str, list[str]] = {}
+    for mo in args.method_override:
+        m, _, o = mo.partition(":")
+        per_method.setdefault(m, []).append(o)
     runs = Path(args.runs)
-    for method in args.methods.split(","):
-        for attacker in args.attackers.split(","):
+    runs.mkdir(parents=True, exist_ok=True)
+    rows = json.loads((runs / "rows.json").read_text()) if args.from_rows else []
+    # attacker-major: every method gets the static suite and the first attackers first
+    for attacker in [] if args.from_rows else args.attackers.split(","):
+        for method in args.methods.split(","):
             print(f"== {method} x {attacker}", flush=True)
-            row = run(method, attacker, overrides, runs / f"{method}_{attacker}")
+            row = run(method, attacker, overrides + per_method.get(method, []), runs / f"{method}_{attacker}")
             rows.append(row)
             (runs / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
             print(f"   asr {fmt_ci(row['metrics'].get('asr'))}, broken {row['prompts_broken']}/{row['prompts']}, "
                   f"attack {row['timing'].get('attack_s', 0):.0f}s", flush=True)
+    rows.sort(key=lambda r: (args.methods.split(",").index(r["method"]) if r["method"] in args.methods else 99,
+                             ATTACKERS.index(r["attacker"]) if r["attacker"] in ATTACKERS else 99))
     out = Path(args.out)
-    lines = grid(rows, [o for o in overrides if not o.startswith("attacker")], out.with_suffix(".png"))
-    shown = [o for o in overrides if not o.startswith("paths.")]
-    command = "python scripts/attacks_tinyworld.py" + "".join(f" --override '{o}'" for o in args.override)
+    method_overrides = {m: [o for o in overrides + per_method.get(m, []) if not o.startswith("attacker")]
+                        for m in dict.fromkeys(r["method"] for r in rows)}
+    lines = grid(rows, method_overrides, out.with_suffix(".png"))
+    shown = [o for o in overrides if not o.startswith("paths.")] + args.method_override
+    command = "python scripts/attacks_tinyworld.py" + "".join(f" --override '{o}'" for o in args.override) \
+        + "".join(f" --method-override '{o}'" for o in args.method_override)
     out.write_text(markdown(rows, lines, command, shown))
     print(f"wrote {out}")
 
