@@ -56,13 +56,12 @@ def layout(prompt_ids: Sequence[int], k: int, insertion: str) -> list[int | None
 
 
 def after_every(prompt_ids: Sequence[int], every: int) -> list[int | None]:
-    """P4D-K's layout: a learnable slot after every ``every`` prompt tokens (the last group
-    may be shorter)."""
-    out: list[int | None] = []
-    ids = list(prompt_ids)
-    for s in range(0, len(ids), every):
-        out += ids[s : s + every] + [None]
-    return out
+    """P4D-K's layout, as its reference places the learnable tokens: ``len // every + 1`` slots
+    at every ``every + 1``-th position from the start, the prompt's tokens in between
+    (``[L w1 w2 w3 L w4 w5 w6 L]`` for 6 tokens and ``every = 3``)."""
+    ids = iter(prompt_ids)
+    total = len(prompt_ids) + len(prompt_ids) // every + 1
+    return [None if i % (every + 1) == 0 else next(ids) for i in range(total)]
 
 
 @dataclasses.dataclass

@@ -7,8 +7,9 @@ vocabulary embeddings (cosine, PEZ) for the forward pass, with the gradient at t
 embeddings applied to the continuous ones (AdamW, lr 0.1, weight decay 0.1); loss = MSE
 between the erased UNet's noise prediction for the adversarial prompt and the base UNet's for
 the original prompt, at ``x_t`` of the base model's image of the prompt, a random timestep
-and fresh noise per step. P4D-N optimises 16 free tokens (the prompt replaced); P4D-K inserts
-a learnable token after every 3 prompt tokens and keeps the prompt's own tokens. Every
+and fresh noise per step. P4D-N optimises 16 free tokens (the prompt replaced); P4D-K puts
+a learnable token before every 3 prompt tokens (and one at the end after a full group) and
+keeps the prompt's own tokens. Every
 ``eval_every`` steps the hard prompt is drawn on the erased model and judged; the best one
 (highest concept score of the judge; the reference uses CLIP similarity to the base images)
 is kept, and with ``early_stop`` a request stops at its first success.
@@ -38,7 +39,7 @@ class P4DAttacker(Attacker):
     """P4D-N / P4D-K.
 
     Args:
-        variant: ``n`` (``n_tokens`` free tokens) or ``k`` (a learnable token after every
+        variant: ``n`` (``n_tokens`` free tokens) or ``k`` (a learnable token before every
             ``every`` prompt tokens).
         n_tokens: P4D-N's prompt length (reference 16).
         every: P4D-K's spacing (reference 3).

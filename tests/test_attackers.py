@@ -59,6 +59,14 @@ def test_insertion_layouts(insertion, expected):
     assert layout([1, 2, 3, 4, 5, 6, 7], 2, insertion) == expected
 
 
+def test_p4d_k_layout_places_tokens_as_the_reference():
+    from attackers.common import after_every
+
+    assert after_every([1, 2, 3, 4, 5, 6], 3) == [None, 1, 2, 3, None, 4, 5, 6, None]
+    assert after_every([1, 2, 3, 4, 5], 3) == [None, 1, 2, 3, None, 4, 5]
+    assert after_every([1, 2], 3) == [None, 1, 2]
+
+
 @pytest.fixture(scope="module")
 def pipe():
     return tiny_random_pipeline(seed=0)
