@@ -38,7 +38,7 @@ def compose(*overrides: str):
 # Ring-A-Bell is not listed: at 100 generations it did not bring the circle back from UCE
 # (0 of 50 images), so there is no ordering to assert for it yet.
 @pytest.mark.parametrize("attacker, budget", [
-    ("unlearndiffatk", ["attacker.timesteps=3", "attacker.iterations_per_timestep=5"]),
+    ("unlearndiffatk", []),  # the tiny-world preset: 10 timesteps x 10 iterations
 ])
 def test_attack_beats_the_static_suite_on_an_erased_model(attacker, budget, tmp_path):
     from emma.cell import run_cell
@@ -54,7 +54,7 @@ def test_attack_beats_the_static_suite_on_an_erased_model(attacker, budget, tmp_
     attacked = [x for x in lines if x["group"] == "attack"]
     assert len(attacked) == 5 * 4 and {x["attack"] for x in attacked} == {attacker}
     assert all(x["adversarial_prompt"] != x["original_prompt"] for x in attacked if x["attack_success"])
-    assert res.counts["attack_budget_iterations"] == 15
+    assert res.counts["attack_budget_iterations"] == 100
     assert res.metrics["attack/queries_mean"].value >= 4
 
 
