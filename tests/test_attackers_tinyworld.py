@@ -19,7 +19,7 @@ from tests.conftest import ROOT, run_env
 pytestmark = pytest.mark.skipif(not TINYWORLD_DIR.exists(), reason="tiny-world assets not built")
 
 # UCE erases circle in well under a second; the name and variant prompts are 5 EA requests.
-CELL = ["method=uce", "prompt_types=[name,variant]", "metrics=rates_only"]
+CELL = ["method=uce", "prompt_types=[name,variant]", "metrics=rates_only", "paths.reuse_results=false"]
 
 
 def compose(*overrides: str):
@@ -46,10 +46,11 @@ def test_attack_beats_the_static_suite_on_an_erased_model(attacker, budget, tmp_
     cfg = compose(*CELL, f"attacker={attacker}", *budget, "images_per_prompt=4",
                   f"paths.cache_dir={tmp_path / 'cache'}")
     res = run_cell(cfg, tmp_path / "out")
-    asr, static = res.metrics["asr"], res.metrics["asr/pre"]
-    # the erased model hides the circle from the static prompts, the attack brings it back
+    # the erased model hides the circle from the static prompts' images, the attack brings it back
+    asr, static = res.metrics["asr/images"], res.metrics["asr/pre/images"]
     assert static.value <= 0.1
     assert asr.ci_low > static.ci_high, (asr, static)
+    assert res.metrics["asr"].value > res.metrics["asr/pre"].value  # per attacked prompt
     lines = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     attacked = [x for x in lines if x["group"] == "attack"]
     assert len(attacked) == 5 * 4 and {x["attack"] for x in attacked} == {attacker}
