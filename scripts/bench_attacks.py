@@ -110,7 +110,7 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
     from hydra.core.global_hydra import GlobalHydra
 
     from emma.attack import CellAttackTarget, LazyBaseModel
-    from emma.cache import ImageCache, ScoreCache
+    from emma.cache import ClassifierScoreCache, ImageCache
     from emma.config import register_configs
     from emma.erase import erase_cached
     from emma.generate import CachedGenerator, Judge
@@ -136,7 +136,7 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
                           base_fingerprint=base_fp, domain="tinyworld", seed=0)
     classifier = hydra.utils.instantiate(OmegaConf_load(ROOT / "conf" / "classifier" / "tinyworld.yaml"),
                                          _convert_="all")
-    judge = Judge(classifier, ScoreCache(cache, classifier.cache_key()))
+    judge = Judge(classifier, ClassifierScoreCache(cache, classifier))
     base = LazyBaseModel(lambda: load_pipeline(cfg.model), base_fp, make_generator, "tinyworld")
     return CellAttackTarget(make_generator(erased.pipe, erased.fingerprint), judge, base=base), requests
 
