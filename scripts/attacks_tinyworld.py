@@ -82,15 +82,6 @@ def fmt_ci(m: dict[str, Any] | None) -> str:
     return f"{m['value']:.2f}{ci}"
 
 
-def wilson(k: int, n: int) -> str:
-    from statsmodels.stats.proportion import proportion_confint
-
-    if n == 0:
-        return "–"
-    lo, hi = proportion_confint(k, n, method="wilson")
-    return f"{k}/{n} = {k / n:.2f} [{lo:.2f}, {hi:.2f}]"
-
-
 def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path, per_method: int = 4) -> list[str]:
     """Per method: columns of (original, adversarial) pairs on the erased model, same seed."""
     from PIL import Image
@@ -145,21 +136,20 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
            "then attacked by each attacker on the domain's EA prompts (the CLI's tiny-world attacker "
            "presets). `static` renders the EA prompts unchanged. Images: the tiny world's sampler "
            "(Euler ancestral, 20 steps, guidance 5, 32x32), judged by the tiny-world classifier. "
-           "ASR (image) = fraction of the attacked prompts' images where the judge finds a circle, with the "
-           "cell's 95% bootstrap CI; prompts broken = attacked prompts with the circle in at least one image "
-           "(Wilson 95% CI). Queries = images drawn on the erased model per prompt (checks during the "
+           "ASR = attacked prompts with the circle in at least one image (the cell's `asr`, Wilson 95% CI); "
+           "ASR (images) = fraction of their images with the circle (`asr/images`, prompt-cluster bootstrap "
+           "95% CI). Queries = images drawn on the erased model per prompt (checks during the "
            "attack + the final judged images); wall = the attack stage's seconds for all prompts on this "
            "machine's shared CPU (1 thread; compare within the table only).", "",
            f"Overrides: `{' '.join(overrides) or '(none)'}`", "",
-           "| method | attacker | ASR (image) | prompts broken | queries/prompt | iterations/prompt "
+           "| method | attacker | ASR (prompts) | ASR (images) | queries/prompt | iterations/prompt "
            "| attack wall (s) |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["metrics"]
         q = m.get("attack/queries_mean", {}).get("value")
         it = m.get("attack/iterations_mean", {}).get("value")
-        broken = wilson(r["prompts_broken"], r["prompts"])
-        out.append(f"| {r['method']} | {r['attacker']} | {fmt_ci(m.get('asr'))} | {broken} "
+        out.append(f"| {r['method']} | {r['attacker']} | {fmt_ci(m.get('asr'))} | {fmt_ci(m.get('asr/images'))} "
                    f"| {q if q is None else f'{q:.1f}'} | {it if it is None else f'{it:.0f}'} "
                    f"| {r['timing'].get('attack_s', 0):.0f} |")
     out += ["", "Original prompt (left) vs adversarial prompt (right) on the erased model, same seed; one row "
