@@ -154,3 +154,44 @@ def test_ring_a_bell_pairs_and_vector(pipe):
     expected = ((e("an image of a circle") - e("an image of a"))
                 + (e("an image of a red circle") - e("an image of a red"))) / 2
     torch.testing.assert_close(v, expected)
+
+
+@pytest.fixture(scope="module")
+def plumbing_target(pipe, tmp_path_factory):
+    """A cell-like attack target on the random tiny pipeline (2 sampler steps, random judge)."""
+    from classifiers.tinyworld import TinyWorldClassifier
+    from emma.attack import LazyBaseModel
+    from emma.cache import ClassifierScoreCache, ImageCache
+    from emma.generate import CachedGenerator, Judge
+    from emma.pipelines import fingerprint
+
+    cache = tmp_path_factory.mktemp("attack-cache")
+
+    def make(p, fp):
+        return CachedGenerator(p, fp, ImageCache(cache), num_inference_steps=2, guidance_scale=5.0,
+                               height=32, width=32, batch_size=8)
+
+    fp = fingerprint(pipe)
+    classifier = TinyWorldClassifier(weights=None)
+    base = LazyBaseModel(lambda: tiny_random_pipeline(seed=0), fp, make)
+    return CellAttackTarget(make(pipe, fp), Judge(classifier, ClassifierScoreCache(cache, classifier)), base=base)
+
+
+@pytest.mark.parametrize("attacker, iterations, checks", [
+    (UnlearnDiffAtkAttacker(k=2, timesteps=2, iterations_per_timestep=2, check_original=False, early_stop=False), 4, 2),
+    (P4DAttacker(variant="n", n_tokens=4, iterations=3, eval_every=2, early_stop=False), 3, 2),
+    (P4DAttacker(variant="k", iterations=3, eval_every=2, early_stop=False), 3, 2),
+    (RingABellAttacker(length=4, population=8, generations=3, pair_templates=["an image of a {}"]), 3, 0),
+])
+def test_each_attack_spends_its_budget_and_returns_a_replayable_prompt(plumbing_target, attacker, iterations, checks):
+    reqs = [PromptRequest("an image of a red circle", "circle", "ea", "prefix", seed=3, n_images=2),
+            PromptRequest("an image of a disc", "circle", "ea", "variant", seed=5, n_images=2)]
+    outs = attacker.attack(plumbing_target, reqs)
+    assert [o.request for o in outs] == reqs
+    for o, r in zip(outs, reqs):
+        assert o.iterations == iterations and o.queries == checks + r.n_images
+        assert [s.seed for s in o.samples] == r.seeds() and all(s.prompt == o.adversarial_prompt for s in o.samples)
+        assert o.success == any(s.detected for s in o.samples)
+        assert o.adversarial_prompt and o.adversarial_prompt != r.prompt
+        if getattr(attacker, "variant", "") == "k" or isinstance(attacker, UnlearnDiffAtkAttacker):
+            assert r.prompt.split()[-1] in o.adversarial_prompt  # the prompt's own tokens are kept
