@@ -68,6 +68,7 @@ def _run(args, cache, out):
                           env=run_env(cache), capture_output=True, text=True, timeout=1200)
 
 
+@pytest.mark.slow  # four cell runs in subprocesses
 def test_sigkill_mid_attack_resumes_at_the_unfinished_prompt(tmp_path):
     args = [*CELL, "attacker=unlearndiffatk", "attacker.requests_per_batch=1", "attacker.timesteps=2",
             "attacker.iterations_per_timestep=3", "attacker.check_original=false", "images_per_prompt=2"]
