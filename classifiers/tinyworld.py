@@ -96,7 +96,11 @@ class TinyWorldClassifier(Classifier):
         super().__init__(threshold=threshold, aliases=aliases)
         self.device = torch.device(device)
         self.batch_size = int(batch_size)
-        self.net = TinyWorldNet()
+        # random weights (weights=None) are seeded: their scores are cached under "random",
+        # which must name one network, not whichever one this process happened to draw
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.net = TinyWorldNet()
         self._weights_hash: str | None = None
         if weights is not None:
             path = DEFAULT_WEIGHTS if str(weights) == "shipped" else Path(weights)

@@ -1,26 +1,140 @@
-"""Content-addressed caches, written atomically.
+"""Content-addressed caches, written atomically, verified on read.
 
 Every file is written under a temporary name carrying the writer's pid and renamed into
 place (``os.replace`` is atomic on POSIX), so a killed process leaves either the complete
 file or a ``*.tmp`` that :func:`sweep_stale_tmp` removes when no live process owns it.
+
+Every entry carries a small JSON record of what it should hold (``ENTRY_FORMAT``; the
+entry's key and the sha256 of its content, plus any fields a writer adds): images in a PNG
+text chunk, judge scores beside the probabilities in the ``.npz``, erased models in their
+manifest, FID statistics in the ``.npz``. A read that finds a truncated, unreadable or
+different entry moves it to ``<cache>/quarantine/`` (:func:`quarantine`), logs the path
+and answers "not cached", so the caller recomputes it; the repairs of a run are listed by
+:func:`repairs_since` and reported in the cell's results.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 TMP_SUFFIX = ".tmp"
-META_CHUNK = "emma"  # PNG text chunk holding an image's generation record
+META_CHUNK = "emma"  # PNG text chunk holding an image's record (key, sha256, generation timing)
+ENTRY_FORMAT = 1
+QUARANTINE = "quarantine"
+WARN_PER_KIND = 20
+log = logging.getLogger("emma.cache")
+
+
+# --------------------------------------------------------------------------- damaged entries
+@dataclasses.dataclass(frozen=True)
+class Repair:
+    """A damaged cache entry moved aside for recomputation.
+
+    Args:
+        kind: ``image``, ``score``, ``erased_model``, ``fid_statistics``.
+        path: where the entry was.
+        moved_to: where it is now (``None`` if a concurrent reader moved it first).
+        reason: what was wrong.
+    """
+
+    kind: str
+    path: str
+    moved_to: str | None
+    reason: str
+
+
+_REPAIRS: list[Repair] = []
+_REPAIRS_LOCK = threading.Lock()
+
+
+class DamagedEntry(Exception):
+    """Raised by an entry's reader when the entry fails verification (internal)."""
+
+
+def repair_mark() -> int:
+    """A position in this process's repair log, for :func:`repairs_since`."""
+    return len(_REPAIRS)
+
+
+def repairs_since(mark: int) -> list[Repair]:
+    """The repairs made since :func:`repair_mark` returned ``mark``."""
+    with _REPAIRS_LOCK:
+        return list(_REPAIRS[mark:])
+
+
+def repair_note(repairs: list[Repair]) -> str:
+    """One line for a cell's notes."""
+    kinds: dict[str, int] = {}
+    for r in repairs:
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    where = _quarantine_root(repairs)
+    return (f"cache repaired: {len(repairs)} damaged entr{'y' if len(repairs) == 1 else 'ies'} "
+            f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}) moved to {where} and recomputed; "
+            f"first: {repairs[0].path} ({repairs[0].reason})")
+
+
+def _quarantine_root(repairs: list[Repair]) -> str:
+    for r in repairs:
+        if r.moved_to:
+            parts = Path(r.moved_to).parts
+            if QUARANTINE in parts:
+                return str(Path(*parts[: parts.index(QUARANTINE) + 1]))
+    return QUARANTINE
+
+
+def quarantine(path: str | os.PathLike, cache_root: str | os.PathLike, kind: str, reason: str) -> Repair:
+    """Move a damaged file or folder to ``<cache_root>/quarantine/<date>/<its path>`` (never
+    delete: a user may want to look at it), log it, and record the repair."""
+    path, cache_root = Path(path), Path(cache_root)
+    try:
+        rel = path.resolve().relative_to(cache_root.resolve())
+    except ValueError:
+        rel = Path(path.name)
+    stamp = time.strftime("%Y%m%d")
+    dest = cache_root / QUARANTINE / stamp / rel.parent / f"{rel.name}.{time.strftime('%H%M%S')}-{os.getpid()}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(path, dest)
+        moved: str | None = str(dest)
+    except FileNotFoundError:  # a concurrent reader quarantined it first
+        moved = None
+    except OSError:  # a folder onto an existing one, or another filesystem
+        try:
+            shutil.move(str(path), str(dest))
+            moved = str(dest)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            moved = None
+    repair = Repair(kind=kind, path=str(path), moved_to=moved, reason=reason)
+    with _REPAIRS_LOCK:
+        _REPAIRS.append(repair)
+        seen = sum(r.kind == kind for r in _REPAIRS)
+    # a cache written by an older harness can hold thousands: name the first few of each kind
+    level = logging.WARNING if seen <= WARN_PER_KIND else logging.DEBUG
+    log.log(level, "cache: damaged %s entry %s (%s): moved to %s; recomputing", kind, path, reason,
+            moved or "(gone)")
+    if seen == WARN_PER_KIND:
+        log.warning("cache: further damaged %s entries are logged at debug level; the cell's notes count them",
+                    kind)
+    return repair
+
+
+def bytes_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def stable_hash(obj: Any) -> str:
@@ -100,10 +214,21 @@ def from_uint8(arr: np.ndarray) -> torch.Tensor:
 
 
 class ImageCache:
-    """PNG images keyed by the sha256 of everything that determines them."""
+    """PNG images keyed by the sha256 of everything that determines them.
+
+    Each PNG carries a text chunk ``emma`` holding a JSON record ``{"format", "key",
+    "sha256", "shape", ...}``: the entry's own key and the sha256 of its pixels. A read
+    verifies both, so a truncated file, a file that is no PNG, and a valid image that is not
+    the one stored (another entry's, a black square) are all caught, quarantined and
+    regenerated. Writers may add fields to the record (``put(..., meta=...)``); readers get
+    them from :meth:`get_entry`.
+    """
+
+    CHUNK = META_CHUNK
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root) / "images"
+        self.cache_root = Path(root)
+        self.root = self.cache_root / "images"
         self.root.mkdir(parents=True, exist_ok=True)
         sweep_stale_tmp(self.root)
 
@@ -111,32 +236,57 @@ class ImageCache:
         return self.root / key[:2] / f"{key}.png"
 
     def get(self, key: str) -> np.ndarray | None:
+        """The verified image, or ``None`` (absent, or damaged and now quarantined)."""
         entry = self.get_entry(key)
         return None if entry is None else entry[0]
 
-    def get_entry(self, key: str) -> tuple[np.ndarray, dict[str, Any] | None] | None:
-        """The image and the record stored with it (generation timing; ``None`` for entries
-        written before records existed), or ``None`` when the key is not cached."""
+    def get_entry(self, key: str) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """``(image, record)`` of a verified entry, or ``None``."""
         p = self.path(key)
         if not p.exists():
             return None
-        with Image.open(p) as im:
-            text = getattr(im, "text", {}).get(META_CHUNK)
-            return np.asarray(im.convert("RGB")), (json.loads(text) if text else None)
+        try:
+            return self._read(p, key)
+        except DamagedEntry as err:
+            quarantine(p, self.cache_root, "image", str(err))
+            return None
+
+    @classmethod
+    def _read(cls, p: Path, key: str) -> tuple[np.ndarray, dict[str, Any]]:
+        try:
+            with Image.open(p) as im:
+                im.load()
+                text = dict(getattr(im, "text", {}) or {})
+                arr = np.asarray(im.convert("RGB"))
+        except Exception as err:  # noqa: BLE001 - PIL raises many types for broken files
+            raise DamagedEntry(f"unreadable PNG: {type(err).__name__}: {err}") from None
+        try:
+            meta = json.loads(text[cls.CHUNK])
+        except (KeyError, ValueError):
+            raise DamagedEntry("no emma record in the PNG (not written by this cache)") from None
+        if meta.get("key") != key:
+            raise DamagedEntry(f"holds entry {str(meta.get('key'))[:12]}..., not {key[:12]}...")
+        if meta.get("sha256") != pixel_hash(arr):
+            raise DamagedEntry("pixels differ from the stored sha256")
+        return arr, meta
 
     def put(self, key: str, image: np.ndarray, meta: dict[str, Any] | None = None) -> str:
-        """Store a (H, W, 3) uint8 image, with ``meta`` (JSON) in a PNG text chunk of the
-        same file; returns the sha256 of the pixels."""
-        from PIL.PngImagePlugin import PngInfo
+        """Store a (H, W, 3) uint8 image; returns the sha256 of the pixels.
 
+        Args:
+            key: the entry's key.
+            image: the pixels.
+            meta: extra JSON-serialisable fields for the entry's record.
+        """
+        digest = pixel_hash(image)
+        record = {**(meta or {}), "format": ENTRY_FORMAT, "key": key, "sha256": digest,
+                  "shape": list(image.shape)}
+        info = PngImagePlugin.PngInfo()
+        info.add_text(self.CHUNK, json.dumps(record, sort_keys=True))
         buf = io.BytesIO()
-        info = None
-        if meta is not None:
-            info = PngInfo()
-            info.add_text(META_CHUNK, json.dumps(meta, sort_keys=True))
         Image.fromarray(image).save(buf, format="PNG", compress_level=1, pnginfo=info)
         atomic_write_bytes(self.path(key), buf.getvalue(), fsync=False)
-        return pixel_hash(image)
+        return digest
 
 
 def pixel_hash(image: np.ndarray) -> str:
@@ -144,25 +294,59 @@ def pixel_hash(image: np.ndarray) -> str:
 
 
 class ScoreCache:
-    """Classifier outputs keyed by image pixel hash + classifier cache key."""
+    """Classifier outputs keyed by image pixel hash + classifier cache key.
+
+    An entry is an ``.npz`` of ``probs`` (float32) and ``record``, a JSON string
+    ``{"format", "image", "sha256"}``: the image hash it belongs to and the sha256 of the
+    probabilities. A read verifies the record, that the values are finite probabilities,
+    and (when given) the number of labels; a damaged entry is quarantined and re-scored.
+    """
 
     def __init__(self, root: str | os.PathLike, classifier_key: str) -> None:
-        self.root = Path(root) / "scores" / classifier_key
+        self.cache_root = Path(root)
+        self.root = self.cache_root / "scores" / classifier_key
         self.root.mkdir(parents=True, exist_ok=True)
         sweep_stale_tmp(self.root)
 
     def path(self, image_hash: str) -> Path:
-        return self.root / image_hash[:2] / f"{image_hash}.npy"
+        return self.root / image_hash[:2] / f"{image_hash}.npz"
 
-    def get(self, image_hash: str) -> np.ndarray | None:
+    def get(self, image_hash: str, n_labels: int | None = None) -> np.ndarray | None:
+        """The verified probabilities, or ``None`` (absent, or damaged and now quarantined)."""
         p = self.path(image_hash)
         if not p.exists():
             return None
-        return np.load(p)
+        try:
+            return self._read(p, image_hash, n_labels)
+        except DamagedEntry as err:
+            quarantine(p, self.cache_root, "score", str(err))
+            return None
+
+    @staticmethod
+    def _read(p: Path, image_hash: str, n_labels: int | None) -> np.ndarray:
+        try:
+            with np.load(p, allow_pickle=False) as z:
+                probs = np.array(z["probs"])
+                record = json.loads(str(z["record"]))
+        except Exception as err:  # noqa: BLE001 - zip, npy and JSON errors all mean "damaged"
+            raise DamagedEntry(f"unreadable score file: {type(err).__name__}: {err}") from None
+        if record.get("image") != image_hash:
+            raise DamagedEntry(f"scores of image {str(record.get('image'))[:12]}..., not {image_hash[:12]}...")
+        if probs.dtype != np.float32 or probs.ndim != 1:
+            raise DamagedEntry(f"expected a float32 vector, got {probs.dtype} {probs.shape}")
+        if record.get("sha256") != bytes_hash(probs.tobytes()):
+            raise DamagedEntry("probabilities differ from the stored sha256")
+        if n_labels is not None and len(probs) != n_labels:
+            raise DamagedEntry(f"{len(probs)} probabilities for a judge with {n_labels} labels")
+        if not np.isfinite(probs).all() or (probs < 0).any() or (probs > 1 + 1e-6).any():
+            raise DamagedEntry("values are not finite probabilities in [0, 1]")
+        return probs
 
     def put(self, image_hash: str, probs: np.ndarray) -> None:
+        probs = np.ascontiguousarray(probs, dtype=np.float32).reshape(-1)
+        record = {"format": ENTRY_FORMAT, "image": image_hash, "sha256": bytes_hash(probs.tobytes())}
         buf = io.BytesIO()
-        np.save(buf, np.asarray(probs, dtype=np.float32))
+        np.savez(buf, probs=probs, record=np.array(json.dumps(record, sort_keys=True)))
         atomic_write_bytes(self.path(image_hash), buf.getvalue(), fsync=False)
 
 
@@ -188,8 +372,8 @@ class ClassifierScoreCache:
     def path(self, image_hash: str) -> Path:
         return self._cache().path(image_hash)
 
-    def get(self, image_hash: str) -> np.ndarray | None:
-        return self._cache().get(image_hash)
+    def get(self, image_hash: str, n_labels: int | None = None) -> np.ndarray | None:
+        return self._cache().get(image_hash, n_labels)
 
     def put(self, image_hash: str, probs: np.ndarray) -> None:
         self._cache().put(image_hash, probs)

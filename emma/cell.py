@@ -29,7 +29,15 @@ from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.api.types import PromptRequest, Sample
 from emma.attack import AttackCache, CellAttackTarget, LazyBaseModel, attack_metrics, attack_records, run_attack
-from emma.cache import ClassifierScoreCache, ImageCache, atomic_write_text, sha256_file
+from emma.cache import (
+    ClassifierScoreCache,
+    ImageCache,
+    atomic_write_text,
+    repair_mark,
+    repair_note,
+    repairs_since,
+    sha256_file,
+)
 from emma.erase import erase_cached
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.evaluate import judge_requests
@@ -37,6 +45,7 @@ from emma.generate import CachedGenerator, GenerationTarget, Judge
 from emma.metrics import METRIC_VERSIONS, cell_metrics
 from emma.pipelines import fingerprint, load_pipeline
 from emma.results import CellInfo, CellResult
+from emma.validate import check_cell
 from emma.weights import ENV_CACHE
 
 log = logging.getLogger(__name__)
@@ -145,16 +154,18 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     if cfg.get("threads") is not None:
         torch.set_num_threads(int(cfg.threads))
     os.environ[ENV_CACHE] = str(cache_root)  # one root: weights, FID statistics, downloads follow it
+    check_cell(cfg)  # every setting, before any work
+    repairs_mark = repair_mark()
 
     t = time.perf_counter()
     domain: Domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
-    concept = domain.concept(cfg.concept or domain.default_concept).name
+    concept = domain.concept(domain.default_concept if cfg.concept is None else cfg.concept).name
     judges = Judges(cfg, domain, cache_root)
     method: ErasureMethod = hydra.utils.instantiate(cfg.method, _convert_="all")
     attacker: Attacker = hydra.utils.instantiate(cfg.attacker, _convert_="all")
     requests = domain.requests(concept, seed=int(cfg.seed),
                                images_per_prompt=cfg.images_per_prompt,
-                               types=list(cfg.prompt_types) if cfg.prompt_types else None)
+                               types=None if cfg.prompt_types is None else list(cfg.prompt_types))
     for req in requests:
         classifier = judges.for_request(req).classifier
         if not classifier.can_detect(req.concept):
@@ -281,6 +292,9 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
             + "these numbers measure nothing about erasure."
         )
 
+    repairs = repairs_since(repairs_mark)
+    if repairs:
+        notes.append(repair_note(repairs))
     counts = {
         "prompts": len(requests),
         "images": len(samples),
@@ -289,6 +303,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         "images_scored": sum(j.images_scored for j in judges.all()),
         "attack_outputs": len(outputs),
         "images_generated_base": base_model.images_generated,
+        "cache_repairs": len(repairs),
     }
     if attack_run is not None and attacker.resumable:
         counts.update(attack_requests_optimised=attack_run.requests_optimised,

@@ -48,6 +48,7 @@ class RunConfig:
         threads: torch CPU threads for the cell (``null``: torch's default). Results depend
             on it in the last bits (the order of float reductions): same seed and same
             threads give bit-identical metrics; the count used is in results.json.
+        overwrite: replace the results of an earlier cell in the same run directory.
     """
 
     model: Any = MISSING
@@ -65,6 +66,7 @@ class RunConfig:
     images_per_prompt: Optional[int] = None
     prompt_types: Optional[list[str]] = None
     threads: Optional[int] = None
+    overwrite: bool = False
 
 
 _DOMAINS: dict[str, Any] = {}

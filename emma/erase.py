@@ -4,13 +4,15 @@ reuse it by hash.
 Layout of one entry (``<cache>/erased/<key>/``)::
 
     manifest.json        method, version, hyper-parameters, base fingerprint, concepts,
-                         wall time, peak memory, erased fingerprint
+                         wall time, peak memory, erased fingerprint; ``files``: the sha256
+                         of every weight/config file; ``checksum``: sha256 of the rest
     unet/                the method's edited components, saved with save_pretrained
     text_encoder/
 
 The key is the sha256 of (base-model fingerprint, method config, concepts, domain, seed). An
 entry is built in a temporary folder and renamed into place, so a killed erase leaves no
-half-written entry. Load one into any compatible base with
+half-written entry. A read verifies the manifest (key, checksum) and every file's sha256; a
+damaged entry is moved to ``<cache>/quarantine/`` and the method runs again. Load one into any compatible base with
 ``StableDiffusionPipeline.from_pretrained(base, unet=UNet2DConditionModel.from_pretrained(entry / "unet"))``.
 """
 
@@ -28,8 +30,16 @@ from typing import Any, Sequence
 import torch
 
 from emma.api.method import ErasureMethod
-from emma.cache import TMP_SUFFIX, atomic_write_text, stable_hash, sweep_stale_tmp
-from emma.errors import ConfigError
+from emma.cache import (
+    TMP_SUFFIX,
+    DamagedEntry,
+    atomic_write_text,
+    quarantine,
+    sha256_file,
+    stable_hash,
+    sweep_stale_tmp,
+)
+from emma.errors import ConfigError, NonFiniteError
 from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint
 
@@ -62,6 +72,48 @@ def _load_component(pipe: Any, name: str, folder: Path) -> None:
     setattr(pipe, name, module.to(current.device))
 
 
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _manifest_checksum(manifest: dict[str, Any]) -> str:
+    return stable_hash({k: v for k, v in manifest.items() if k != "checksum"})
+
+
+def _verified_manifest(entry: Path, key: str) -> dict[str, Any]:
+    """The entry's manifest after checking it and every file it lists (sha256)."""
+    try:
+        manifest = json.loads((entry / "manifest.json").read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedEntry(f"manifest.json unreadable: {_first_line(err)}") from None
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        raise DamagedEntry("manifest.json belongs to another entry")
+    if manifest.get("checksum") != _manifest_checksum(manifest) or not isinstance(manifest.get("files"), dict):
+        raise DamagedEntry("manifest.json altered (checksum mismatch) or written by an older harness")
+    for rel, digest in manifest["files"].items():
+        path = entry / rel
+        if not path.is_file():
+            raise DamagedEntry(f"{rel} is missing")
+        if sha256_file(path) != digest:
+            raise DamagedEntry(f"{rel} differs from its recorded sha256")
+    return manifest
+
+
+def check_finite_weights(pipe: Any, components: Sequence[str], source: str) -> None:
+    """Refuse NaN/inf weights: they sample black images, which judges read as perfect erasure."""
+    for comp in components:
+        module = getattr(pipe, comp, None)
+        if module is None:
+            continue
+        bad = [name for name, t in module.state_dict().items()
+               if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise NonFiniteError(f"{source} gave {comp} weights with NaN/inf in {len(bad)} tensor(s), e.g. "
+                                 f"{', '.join(bad[:3])}; such a model draws black images that read as perfect "
+                                 "erasure, so the cell stops")
+
+
 def erase_cached(
     pipe: Any,
     method: ErasureMethod,
@@ -87,13 +139,19 @@ def erase_cached(
     root.mkdir(parents=True, exist_ok=True)
     sweep_stale_tmp(root)
     entry = root / key
-    manifest_path = entry / "manifest.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        for comp in manifest["components"]:
-            _load_component(pipe, comp, entry / comp)
-        return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]),
-                           True, manifest)
+    if entry.exists():
+        originals = {comp: getattr(pipe, comp, None) for comp in method.edited_components}
+        try:
+            manifest = _verified_manifest(entry, key)
+            for comp in manifest["components"]:
+                _load_component(pipe, comp, entry / comp)
+            check_finite_weights(pipe, manifest["components"], f"cached erased model {entry}")
+            return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]),
+                               True, manifest)
+        except (DamagedEntry, NonFiniteError, OSError, ValueError, KeyError, RuntimeError) as err:
+            quarantine(entry, cache_root, "erased_model", f"{type(err).__name__}: {_first_line(err)}")
+            for comp, module in originals.items():  # undo a partial load: back to the base
+                setattr(pipe, comp, module)
 
     device = pipe.device
     if device.type == "cuda":
@@ -101,6 +159,7 @@ def erase_cached(
     t0 = time.perf_counter()
     pipe = method.erase(pipe, concepts, seed=seed, domain=domain)
     wall = time.perf_counter() - t0
+    check_finite_weights(pipe, method.edited_components, f"method '{method.name}'")
     fp = fingerprint(pipe)
     manifest = {
         "key": key,
@@ -125,6 +184,8 @@ def erase_cached(
     tmp.mkdir()
     for comp in method.edited_components:
         getattr(pipe, comp).save_pretrained(tmp / comp, safe_serialization=True)
+    manifest["files"] = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+    manifest["checksum"] = _manifest_checksum(manifest)
     atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, default=str))
     try:
         os.replace(tmp, entry)

@@ -33,3 +33,8 @@ class WeightsUnavailableError(EmmaError):
 
 class ConfigError(EmmaError):
     """A configuration value that cannot work."""
+
+
+class NonFiniteError(EmmaError):
+    """NaN/inf where a number must be finite (weights, images, probabilities): the cell
+    stops rather than write a plausible-looking result."""

@@ -20,6 +20,7 @@ from emma.api.classifier import Classifier
 from emma.api.guidance import InferenceGuidance
 from emma.api.types import GeneratedImages
 from emma.cache import ImageCache, ScoreCache, from_uint8, pixel_hash, stable_hash, tensor_hash, to_uint8
+from emma.errors import NonFiniteError
 
 
 class CachedGenerator:
@@ -201,6 +202,14 @@ class CachedGenerator:
             kwargs.setdefault("negative_prompt_embeds", None)
             return to_uint8(self.guidance.sample(self.pipe, **kwargs))
         images = self.pipe(**kwargs).images
+        bad = ~torch.isfinite(images.reshape(len(seeds), -1)).all(dim=1)
+        if bad.any():  # to_uint8 would turn NaN into black images: a "perfect erasure"
+            i = int(bad.nonzero()[0, 0])
+            what = f"prompt {prompts[i]!r}" if prompts is not None else "prompt embeddings"
+            raise NonFiniteError(
+                f"the model produced NaN/inf pixels in {int(bad.sum())} of {len(seeds)} images ({what}, seed "
+                f"{seeds[i]}): its weights (base or erased) hold non-finite values, or the sampler overflows "
+                f"in {self.pipe.unet.dtype} (try model.dtype=float32); no result was written")
         return to_uint8(images)
 
 
@@ -216,7 +225,8 @@ class Judge:
               progress: bool | str = False) -> torch.Tensor:
         if hashes is None:
             hashes = [pixel_hash(a) for a in to_uint8(images)]
-        rows: list[np.ndarray | None] = [self.cache.get(h) for h in hashes]
+        n_labels = len(self.classifier.labels)
+        rows: list[np.ndarray | None] = [self.cache.get(h, n_labels) for h in hashes]
         todo = [i for i, r in enumerate(rows) if r is None]
         if todo:
             bs = 256
@@ -225,6 +235,7 @@ class Judge:
             for s in range(0, len(todo), bs):
                 idx = todo[s : s + bs]
                 probs = self.classifier.predict(images[idx]).float().cpu().numpy()
+                check_probabilities(probs, self.classifier.name, n_labels)
                 for j, i in enumerate(idx):
                     self.cache.put(hashes[i], probs[j])
                     rows[i] = probs[j]
@@ -234,6 +245,18 @@ class Judge:
         if not rows:
             return torch.zeros(0, len(self.classifier.labels))
         return torch.from_numpy(np.stack(rows))
+
+
+def check_probabilities(probs: np.ndarray, judge: str, n_labels: int) -> None:
+    """A judge's output must be finite probabilities, one column per label: a NaN would
+    otherwise read as "not detected" (perfect erasure)."""
+    if probs.ndim != 2 or probs.shape[1] != n_labels:
+        raise NonFiniteError(f"judge '{judge}' returned shape {tuple(probs.shape)}, expected (N, {n_labels})")
+    bad = ~np.isfinite(probs).all(axis=1) | (probs < 0).any(axis=1) | (probs > 1 + 1e-6).any(axis=1)
+    if bad.any():
+        raise NonFiniteError(
+            f"judge '{judge}' returned NaN/inf or values outside [0, 1] for {int(bad.sum())} of {len(probs)} "
+            "images (its weights or the images are broken); no result was written")
 
 
 class GenerationTarget:

@@ -145,7 +145,13 @@ def tinyworld_reference(judge: Any, concepts: Sequence[str], n_ref: int, seed: i
                        "concepts": concepts})
     path = reference_statistics_path(f"tinyworld-suite-mix-{key[:16]}", "tinyworld-judge-features", cache_root)
     if path.exists():
-        return ReferenceStatistics.load(path)
+        from emma.cache import quarantine
+        from emma.metrics.fid import DamagedStatisticsError
+
+        try:
+            return ReferenceStatistics.load(path, require_checksum=True, key=key)
+        except DamagedStatisticsError as err:  # rendered references: recompute them
+            quarantine(path, cache_root, "fid_statistics", err.reason)
     specs = []
     for i, spec in enumerate(world.sample_specs(n, seed)):
         c = concepts[i % len(concepts)]
@@ -157,6 +163,7 @@ def tinyworld_reference(judge: Any, concepts: Sequence[str], n_ref: int, seed: i
     refs = torch.from_numpy(world.render_batch(specs))
     stats = ReferenceStatistics.from_features(judge.features(refs).double().numpy(), name="tinyworld-suite-mix",
                                               extractor=f"tinyworld-judge-features:{judge.cache_key()}")
+    stats.key = key
     stats.save(path)
     return stats
 

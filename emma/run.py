@@ -3,6 +3,10 @@
     python -m emma.run                                    # the tiny world, offline, on a CPU
     python -m emma.run method=esd concept=circle
     python -m emma.run -m method=none,esd,uce domain=tinyworld,tinyworld_style
+
+Exit codes: 0 done; 2 a user error (bad setting, missing weights, a run directory that already
+holds results), reported in a few lines without a traceback, before any work where it can be
+known then; 130 interrupted (Ctrl-C; the cache keeps every finished image); 1 a bug.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from omegaconf import DictConfig
 
 from emma.config import GROUPS, register_configs
 from emma.errors import EmmaError, UnknownChoiceError
+from emma.validate import check_output_dir, check_output_dirs, split_argv, validate_overrides
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 log = logging.getLogger("emma.run")
@@ -53,6 +58,11 @@ def main(cfg: DictConfig) -> dict | None:
     from emma import finished
 
     out = HydraConfig.get().runtime.output_dir
+    try:
+        check_output_dir(out, bool(cfg.get("overwrite", False)))
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     hit = finished.lookup(cfg, out)
     if hit is not None:  # a finished cell with the same inputs: no pipeline, no heavy imports
         data = json.loads(hit.read_text())
@@ -64,6 +74,12 @@ def main(cfg: DictConfig) -> dict | None:
 
     try:
         result = run_cell(cfg, out)
+    except KeyboardInterrupt:
+        cache = Path(str(cfg.paths.cache_dir)).expanduser()
+        print(f"interrupted: no results.json was written to {out}; every image, score and erased model "
+              f"finished so far is kept in the cache {cache}; run the same command again to resume",
+              file=sys.stderr)
+        sys.exit(130)
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -95,13 +111,33 @@ def scale_alias(argv: list[str]) -> list[str]:
     return out
 
 
-def cli() -> None:
+def preflight(argv: list[str]) -> int:
+    """Validate every cell of the command line before Hydra starts (see :mod:`emma.validate`);
+    the exit code (0: go on, 2: refused), the error printed to stderr."""
     try:
-        sys.argv[1:] = scale_alias(sys.argv[1:])
-        check_overrides(sys.argv[1:])
+        argv = scale_alias(list(argv))
+        overrides, multirun, checkable = split_argv(argv)
+        if checkable:
+            validate_overrides(overrides, multirun=multirun)
+            check_output_dirs(overrides, multirun=multirun)
+        else:  # Hydra flags (--cfg, --help, --config-name): let Hydra compose, check choices only
+            check_overrides(argv)
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+def cli() -> None:
+    try:
+        code = preflight(sys.argv[1:])
+        if not code:
+            sys.argv[1:] = scale_alias(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("interrupted before any cell started; nothing was written", file=sys.stderr)
+        sys.exit(130)
+    if code:
+        sys.exit(code)
     main()
 
 

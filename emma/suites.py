@@ -65,7 +65,10 @@ def _cmd_list(options: dict[str, str], overrides: list[str]) -> None:
 
 def _cmd_show(options: dict[str, str], overrides: list[str]) -> None:
     domain = _domain(options, overrides)
-    concept = domain.concept(options.get("concept") or domain.default_concept)
+    if "concept" in options and not options["concept"].strip():
+        raise UnknownChoiceError("concept", "", domain.concepts, where=f"domain '{domain.name}' (concept= is "
+                                 "empty; leave it out for the domain's default)")
+    concept = domain.concept(options["concept"] if "concept" in options else domain.default_concept)
     prompts = domain.suite.prompts(domain, concept.name)
     kind = options.get("kind")
     if kind is not None and kind not in prompts:

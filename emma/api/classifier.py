@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from emma.errors import UnknownChoiceError
+from emma.errors import ConfigError, UnknownChoiceError
 
 
 class Classifier(abc.ABC):
@@ -27,6 +27,8 @@ class Classifier(abc.ABC):
 
     def __init__(self, threshold: float = 0.5, aliases: dict[str, str] | None = None) -> None:
         self.threshold = float(threshold)
+        if not 0.0 <= self.threshold <= 1.0:  # also rejects NaN
+            raise ConfigError(f"classifier '{self.name}': threshold={threshold} must be a probability in [0, 1]")
         # concept name (as a domain spells it) -> classifier label
         self.aliases = {k.lower(): v for k, v in (aliases or {}).items()}
 

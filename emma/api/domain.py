@@ -8,7 +8,7 @@ import hashlib
 from typing import Any, ClassVar, Mapping, Sequence
 
 from emma.api.types import EA_TYPES, RA_TYPES, PromptRequest
-from emma.errors import UnknownChoiceError
+from emma.errors import ConfigError, UnknownChoiceError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +122,20 @@ class Domain:
     ) -> list[PromptRequest]:
         """EA and RA requests for ``concept`` (``types`` restricts the prompt types)."""
         name = self.concept(concept).name
-        n = images_per_prompt or self.images_per_prompt
+        n = self.images_per_prompt if images_per_prompt is None else int(images_per_prompt)
+        if n < 1:
+            raise ConfigError(f"images_per_prompt={n}: must be at least 1 "
+                              f"(null: the domain's {self.images_per_prompt})")
+        prompts = self.suite.prompts(self, name)
+        if types is not None:
+            types = list(types)
+            if not types:
+                raise ConfigError(f"prompt_types=[]: give at least one of {', '.join(prompts)}, or null for all")
+            for kind in types:
+                if kind not in prompts:
+                    raise UnknownChoiceError(f"prompt type of {self.name}/{name}", kind, prompts)
         out: list[PromptRequest] = []
-        for kind, items in self.suite.prompts(self, name).items():
+        for kind, items in prompts.items():
             if types is not None and kind not in types:
                 continue
             group = "ea" if kind in EA_TYPES else "ra" if kind in RA_TYPES else "attack"

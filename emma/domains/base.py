@@ -237,13 +237,37 @@ def load_domain_config(name: str, overrides: Iterable[str] = ()) -> DictConfig:
         raise UnknownChoiceError("domain", name, available_domains())
     cfg = OmegaConf.create(path.read_text(encoding="utf-8"))
     OmegaConf.set_struct(cfg, True)
-    overrides = list(overrides)
-    if overrides:
+    problems = []
+    for override in overrides:  # one at a time, so every bad one is named
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([override]))
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"bad override for domain {name!r} {overrides}: {exc}") from exc
+            problems.append(_explain_override(cfg, name, override, exc))
+    if problems:
+        raise ConfigError("\n".join(problems) if len(problems) == 1 else
+                          f"{len(problems)} bad overrides:\n" + "\n".join(f"  {p}" for p in problems))
     return cfg
+
+
+def _explain_override(cfg: DictConfig, name: str, override: str, exc: Exception) -> str:
+    """``key=value: unknown key of domain 'x'; did you mean ...? valid keys ...`` in one line."""
+    import difflib
+
+    key = override.split("=", 1)[0]
+    node: Any = cfg
+    path: list[str] = []
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            valid = sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+            close = difflib.get_close_matches(part, valid, n=3, cutoff=0.5)
+            where = f"'{'.'.join(path)}'" if path else "the top level"
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+            return (f"{override}: unknown key of domain {name!r}; {hint}valid keys at {where}: "
+                    f"{', '.join(valid) or '(none)'}")
+        path.append(part)
+        node = node[part]
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{override}: {first}"
 
 
 def load_domain(name: str, overrides: Iterable[str] = ()) -> Domain:
@@ -257,6 +281,8 @@ def load_domain(name: str, overrides: Iterable[str] = ()) -> Domain:
         # Hydra wraps the builder's error; the harness's own errors already teach
         if isinstance(exc.__cause__, EmmaError):
             raise exc.__cause__ from None
+        if isinstance(exc.__cause__, (ValueError, TypeError)):  # a value of the wrong type
+            raise ConfigError(f"domain {name!r} with {list(overrides)}: {exc.__cause__}") from None
         raise
 
 

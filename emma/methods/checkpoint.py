@@ -335,6 +335,12 @@ class CheckpointMethod(ErasureMethod):
                 f"(a different model architecture?):\n{lines}")
         if not sd:
             raise IncompatibleCheckpointError(f"{self._path.name} holds no weights for the pipeline's {comp}")
+        nonfinite = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if nonfinite:
+            raise IncompatibleCheckpointError(
+                f"{self._path.name} holds NaN/inf in {len(nonfinite)} {comp} weight(s), e.g. "
+                f"{', '.join(nonfinite[:3])}: a broken checkpoint (it would draw black images that read as "
+                "perfect erasure)")
         if full:
             missing = [k for k in expected if k not in sd]
             if missing:

@@ -166,6 +166,7 @@ class ReferenceStatistics:
         n: number of reference images.
         name: reference set (``coco30k``, ``tinyworld``, ...).
         extractor: feature extractor id (statistics of different extractors never mix).
+        key: cache key of what the statistics were computed from (verified on load).
     """
 
     mu: np.ndarray
@@ -173,6 +174,7 @@ class ReferenceStatistics:
     n: int
     name: str = ""
     extractor: str = ""
+    key: str = ""
 
     @classmethod
     def from_features(cls, features: np.ndarray, name: str = "", extractor: str = "") -> ReferenceStatistics:
@@ -198,25 +200,74 @@ class ReferenceStatistics:
         return {"name": self.name, "n_images": int(self.n), "feature_extractor": self.extractor,
                 "clean_fid_version": clean_fid, "stats_sha256": self.sha256()}
 
+    def checksum(self) -> str:
+        """sha256 of the statistics (stored in the ``.npz`` and verified on load)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for arr in (np.ascontiguousarray(self.mu, np.float64), np.ascontiguousarray(self.sigma, np.float64)):
+            h.update(f"{arr.shape}".encode())
+            h.update(arr.tobytes())
+        h.update(f"{int(self.n)}|{self.name}|{self.extractor}|{self.key}".encode())
+        return h.hexdigest()
+
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write an ``.npz`` atomically (temp file + rename)."""
+        """Write an ``.npz`` atomically (temp file + rename), with its checksum."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
-            np.savez(f, mu=self.mu, sigma=self.sigma, n=self.n, name=self.name, extractor=self.extractor)
+            np.savez(f, mu=self.mu, sigma=self.sigma, n=self.n, name=self.name, extractor=self.extractor,
+                     key=self.key, checksum=self.checksum())
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> ReferenceStatistics:
-        with np.load(path, allow_pickle=False) as z:
-            return cls(
-                mu=z["mu"],
-                sigma=z["sigma"],
-                n=int(z["n"]) if "n" in z else 0,
-                name=str(z["name"]) if "name" in z else "",
-                extractor=str(z["extractor"]) if "extractor" in z else "",
-            )
+    def load(cls, path: str | os.PathLike[str], require_checksum: bool = False,
+             key: str | None = None) -> ReferenceStatistics:
+        """Read and verify statistics (shapes, finite values, and the checksum when stored).
+
+        Args:
+            path: the ``.npz``.
+            require_checksum: refuse a file without a checksum.
+            key: the key the statistics must have been stored under.
+
+        Raises:
+            DamagedStatisticsError: the file is unreadable, inconsistent, or altered; or it has
+                no checksum and ``require_checksum`` is set.
+        """
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                stats = cls(
+                    mu=np.array(z["mu"]),
+                    sigma=np.array(z["sigma"]),
+                    n=int(z["n"]) if "n" in z else 0,
+                    name=str(z["name"]) if "name" in z else "",
+                    extractor=str(z["extractor"]) if "extractor" in z else "",
+                    key=str(z["key"]) if "key" in z else "",
+                )
+                stored = str(z["checksum"]) if "checksum" in z else None
+        except Exception as err:  # noqa: BLE001 - zip/npy errors of many types all mean "damaged"
+            raise DamagedStatisticsError(path, f"unreadable: {type(err).__name__}: {err}") from None
+        d = stats.mu.shape[0] if stats.mu.ndim == 1 else -1
+        if d < 1 or stats.sigma.shape != (d, d):
+            raise DamagedStatisticsError(path, f"mu {stats.mu.shape} and sigma {stats.sigma.shape} do not fit")
+        if not (np.isfinite(stats.mu).all() and np.isfinite(stats.sigma).all()):
+            raise DamagedStatisticsError(path, "NaN/inf in mu or sigma")
+        if stored is None and require_checksum:
+            raise DamagedStatisticsError(path, "no checksum (written by an older harness or not by it)")
+        if stored is not None and stored != stats.checksum():
+            raise DamagedStatisticsError(path, "statistics differ from the stored checksum")
+        if key is not None and stats.key != key:
+            raise DamagedStatisticsError(path, f"statistics of {stats.key[:12] or 'another set'}..., not {key[:12]}...")
+        return stats
+
+
+class DamagedStatisticsError(ConfigError):
+    """Cached FID statistics that fail verification."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"FID statistics {path} are damaged ({reason})")
 
 
 def reference_statistics_path(name: str, extractor: str, root: str | os.PathLike[str] | None = None) -> Path:
@@ -289,7 +340,15 @@ def reference_statistics(
             f"Build them once from the reference images: `python -m emma.metrics.fid build {name} "
             "/path/to/coco/val2014 --cache-dir <paths.cache_dir>` (the images are not downloaded by the harness)."
         )
-    return ReferenceStatistics.load(path)
+    try:
+        return ReferenceStatistics.load(path)
+    except DamagedStatisticsError as err:  # built from images the harness does not have: cannot heal
+        from emma.cache import quarantine
+        from emma.weights import cache_root
+
+        repair = quarantine(path, Path(root) if root is not None else cache_root(), "fid_statistics", err.reason)
+        raise ConfigError(f"{err}; moved to {repair.moved_to}. Build them again from the reference images "
+                          f"(see `reference_statistics`'s message when they are absent)") from None
 
 
 class ReferenceUnavailableError(ConfigError):
