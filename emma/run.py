@@ -46,13 +46,30 @@ def check_overrides(argv: list[str]) -> None:
 register_configs()
 
 
+def _write_error(out: str | Path, err: BaseException) -> None:
+    """``error.json`` next to where results.json would be: the sweep report and the
+    leaderboard show it (a crashed cell is listed, never silently missing)."""
+    import json
+    import traceback
+
+    from emma.cache import atomic_write_text
+
+    atomic_write_text(Path(out) / "error.json", json.dumps({
+        "error": f"{type(err).__name__}: {err}",
+        "traceback": "".join(traceback.format_exception(err))[-8000:],
+    }, indent=2) + "\n")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict | None:
     from hydra.errors import InstantiationException
+    from hydra.types import RunMode
 
     from emma import finished
 
-    out = HydraConfig.get().runtime.output_dir
+    hc = HydraConfig.get()
+    out = hc.runtime.output_dir
+    multirun = hc.mode == RunMode.MULTIRUN
     hit = finished.lookup(cfg, out)
     if hit is not None:  # a finished cell with the same inputs: no pipeline, no heavy imports
         data = json.loads(hit.read_text())
@@ -61,19 +78,23 @@ def main(cfg: DictConfig) -> dict | None:
         return {k: v["value"] for k, v in data["metrics"].items()}
 
     from emma.cell import describe, run_cell
+    from emma.loggers import log_cell
 
     try:
         result = run_cell(cfg, out)
-    except EmmaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except InstantiationException as err:
-        # a component refused its configuration: show its own message, not Hydra's wrapper
-        cause = err.__cause__
+    except Exception as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) else err
+        if multirun:
+            # one cell of a sweep: record and raise, so the launcher lists it and goes on
+            # (sys.exit would take a submitit job down without its reason)
+            _write_error(out, err)
+            raise
         if isinstance(cause, EmmaError):
+            # a component refused its configuration: show its own message, not a traceback
             print(f"error: {cause}", file=sys.stderr)
             sys.exit(2)
         raise
+    log_cell(cfg, result, out)  # never raises: results.json is already written
     print(describe(result))
     print(f"results: {Path(out) / 'results.json'}")
     return {k: v.value for k, v in result.metrics.items()}

@@ -2,7 +2,7 @@
 # A single-node Slurm cluster on this machine, for CI and for trying the SLURM launcher.
 #
 #   eval "$(scripts/slurm_local.sh start)"   # installs (Debian, as root) and starts; prints
-#                                           # `export SLURM_CONF=...` for the shell to eval
+#                                           # `export SLURM_CONF=... PATH=...` to eval
 #   scripts/slurm_local.sh status
 #   scripts/slurm_local.sh stop              # stops exactly the daemons `start` started
 #
@@ -75,10 +75,41 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 SlurmdTimeout=60
 KillWait=5
-MinJobAge=300
+MinJobAge=3600
 NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
+}
+
+write_sacct() {
+    # This cluster keeps no accounting database (slurmdbd + MySQL), so the real `sacct` has
+    # nothing to say; submitit polls `sacct -o JobID,State,NodeList --parsable2 -j IDS` for
+    # job states. This stand-in answers that query from slurmctld's memory (`scontrol show
+    # job`, finished jobs kept MinJobAge seconds). It is first on PATH only for shells that
+    # eval `start`'s output.
+    mkdir -p "$DIR/bin"
+    cat >"$DIR/bin/sacct" <<'EOF2'
+#!/usr/bin/env bash
+ids=""
+while [ $# -gt 0 ]; do
+    case "$1" in -j|--jobs) ids="$2"; shift ;; -j*) ids="${1#-j}" ;; --jobs=*) ids="${1#--jobs=}" ;; esac
+    shift
+done
+echo "JobID|State|NodeList"
+for id in ${ids//,/ }; do
+    scontrol -o show job "$id" 2>/dev/null | awk '{
+        delete f
+        for (i = 1; i <= NF; i++) { n = index($i, "="); if (n) f[substr($i, 1, n - 1)] = substr($i, n + 1) }
+        id = f["JobId"]
+        if (f["ArrayJobId"] != "") {
+            t = f["ArrayTaskId"]
+            id = (t ~ /[-,]/) ? f["ArrayJobId"] "_[" t "]" : f["ArrayJobId"] "_" t
+        }
+        print id "|" f["JobState"] "|" f["NodeList"]
+    }'
+done
+EOF2
+    chmod +x "$DIR/bin/sacct"
 }
 
 start() {
@@ -88,7 +119,7 @@ start() {
         while read -r pid name; do alive "$pid" "$name" || running=0; done <"$PIDS"
         if [ $running = 1 ]; then
             say "already running ($(tr '\n' ' ' <"$PIDS"))"
-            echo "export SLURM_CONF=$CONF"
+            echo "export SLURM_CONF=$CONF PATH=$DIR/bin:\$PATH"
             return 0
         fi
         stop >/dev/null
@@ -96,6 +127,7 @@ start() {
     mkdir -p "$DIR/state" "$DIR/spool" "$DIR/munge"
     : >"$PIDS"
     write_conf
+    write_sacct
     export SLURM_CONF="$CONF"
 
     # munge: a key of our own, a socket of our own; munged refuses keys others can read
@@ -132,7 +164,7 @@ start() {
            stop; exit 1 ;;
     esac
     say "up: $(sinfo -h -o '%P %D %c %T' | head -n1) (pids $(cut -d' ' -f1 "$PIDS" | tr '\n' ' '))"
-    echo "export SLURM_CONF=$CONF"
+    echo "export SLURM_CONF=$CONF PATH=$DIR/bin:\$PATH"
 }
 
 stop() {
