@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from PIL import Image
 
-from emma.api.types import Sample
 from emma.cache import atomic_write_text
+
+if TYPE_CHECKING:
+    from emma.api.types import Sample
 
 EVIDENCE_DIR = "evidence"
 
