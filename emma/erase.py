@@ -16,14 +16,17 @@ half-written entry. Load one into any compatible base with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import logging
 import os
 import resource
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -32,6 +35,8 @@ from emma.cache import TMP_SUFFIX, atomic_write_text, stable_hash, sweep_stale_t
 from emma.errors import ConfigError
 from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -87,14 +92,43 @@ def erase_cached(
     root.mkdir(parents=True, exist_ok=True)
     sweep_stale_tmp(root)
     entry = root / key
-    manifest_path = entry / "manifest.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        for comp in manifest["components"]:
-            _load_component(pipe, comp, entry / comp)
-        return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]),
-                           True, manifest)
+    if (entry / "manifest.json").exists():
+        return _load_entry(pipe, key, entry)
+    # Jobs of a sweep that need the same erased model: the first erases, the others wait
+    # for it and load its entry instead of erasing again.
+    with erase_lock(root, key):
+        if (entry / "manifest.json").exists():
+            return _load_entry(pipe, key, entry)
+        return _erase_and_store(pipe, method, concepts, root, key, base_fingerprint, domain, seed)
 
+
+def _load_entry(pipe: Any, key: str, entry: Path) -> EraseResult:
+    manifest = json.loads((entry / "manifest.json").read_text())
+    for comp in manifest["components"]:
+        _load_component(pipe, comp, entry / comp)
+    return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]), True, manifest)
+
+
+@contextlib.contextmanager
+def erase_lock(root: Path, key: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<root>/.<key>.lock`` (works across processes and, through
+    the kernel's lock manager, across NFS clients)."""
+    path = root / f".{key}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("erase: another job is erasing %s; waiting for it", key[:12])
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root: Path, key: str,
+                     base_fingerprint: str, domain: str | None, seed: int) -> EraseResult:
+    entry = root / key
     device = pipe.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
