@@ -87,7 +87,7 @@ def plot_asr(table: Table, path: Path) -> bool:
     methods = table.metric_columns
     grid = np.array([[sort_value(r.get(m)) if r.get(m) else np.nan for m in methods] for r in table.rows],
                     dtype=float)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(methods), 1.2 + 0.5 * len(attackers)), dpi=110)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.5 + 0.8 * len(methods)), max(3.0, 1.5 + 0.5 * len(attackers))), dpi=110)
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="Reds")
     ax.set_xticks(range(len(methods)), methods, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(len(attackers)), attackers, fontsize=8)
