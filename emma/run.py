@@ -46,6 +46,11 @@ def check_overrides(argv: list[str]) -> None:
 register_configs()
 
 
+class CellFailedError(Exception):
+    """A sweep cell's failure, carried as text: the launcher unpickles it in another process,
+    where an error class with a richer constructor would not rebuild."""
+
+
 def _write_error(out: str | Path, err: BaseException) -> None:
     """``error.json`` next to where results.json would be: the sweep report and the
     leaderboard show it (a crashed cell is listed, never silently missing)."""
@@ -88,7 +93,7 @@ def main(cfg: DictConfig) -> dict | None:
             # one cell of a sweep: record and raise, so the launcher lists it and goes on
             # (sys.exit would take a submitit job down without its reason)
             _write_error(out, err)
-            raise
+            raise CellFailedError(f"{type(cause).__name__}: {cause}") from err
         if isinstance(cause, EmmaError):
             # a component refused its configuration: show its own message, not a traceback
             print(f"error: {cause}", file=sys.stderr)
