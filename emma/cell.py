@@ -330,7 +330,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     lines += [json.dumps(line) for line in extra_lines]
     atomic_write_text(output_dir / "samples.jsonl", "\n".join(lines) + "\n")
     counts["evidence_images"] = write_evidence(
-        generator, samples + [dataclasses.replace(s, group="attack") for s in attack_samples], output_dir)
+        generator, samples + [dataclasses.replace(s, group="attack") for o in outputs for s in o.samples], output_dir)
     result.save(output_dir / "results.json")  # last: its presence marks a finished cell
     if finished.enabled(cfg):
         finished.store(cfg, output_dir, key)

@@ -115,13 +115,9 @@ def test_scancel_mid_sweep_then_rerun_completes_without_recomputing(slurm, tmp_p
     assert proc.returncode == 0, log[-4000:]
     again = cell_results(sweep_dir)
     assert sorted(again) == ["circle", "heart"]
-    # the finished cell drew nothing new: every image came from the shared cache
-    assert again["circle"]["counts"]["images_generated"] == 0
-    c0, c1 = first["circle"]["counts"], again["circle"]["counts"]
-    assert c1["images_cached"] == c0["images_generated"] + c0["images_cached"]
-
-    def rates(res):
-        return {k: v for k, v in res["metrics"].items() if not k.startswith("time/")}
-
-    assert rates(again["circle"]) == rates(first["circle"])
+    # the finished cell was not recomputed: its results (down to the measured stage timings)
+    # are the first run's, served from the finished-cell cache
+    assert again["circle"]["timing"] == first["circle"]["timing"]
+    assert again["circle"]["counts"] == first["circle"]["counts"]
+    assert again["circle"]["metrics"] == first["circle"]["metrics"]
     assert again["heart"]["counts"]["images"] == 12
