@@ -38,7 +38,8 @@ def test_a_crashing_cell_does_not_stop_the_sweep_and_is_reported(sweep):
     bad = [c for c in report["cells"] if c["status"] == "failed"][0]
     assert "concept=circel" in bad["overrides"]
     assert "unknown concept 'circel' in domain 'tinyworld'" in bad["error"]
-    assert "cell #1 (" in proc.stderr and "unknown concept 'circel'" in proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "cell #1 (" in log and "unknown concept 'circel'" in log
     res = json.loads(next((root / "sweep").glob("0_*/results.json")).read_text())
     assert res["cell"]["concept"] == "circle" and res["counts"]["images"] == 12
     err = json.loads(next((root / "sweep").glob("1_*/error.json")).read_text())
