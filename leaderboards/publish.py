@@ -41,6 +41,8 @@ def publish_wandb(board: Any, project: str = "emma-leaderboard", entity: str | N
                     values.append(grids.get(row.get("_anchor")))
                 table.add_data(*values)
             logged[f"leaderboard/{t.name}"] = table
+        # the grids also as plain images: a table's image cells may live only in artifacts
+        logged.update({f"evidence/{anchor}": img for anchor, img in grids.items()})
         for paths in board.plots.values():
             for p in paths:
                 logged[f"plots/{p.stem}"] = wandb.Image(str(p))
