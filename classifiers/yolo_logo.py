@@ -42,7 +42,7 @@ LOGO_LABELS: tuple[str, ...] = tuple(
 def yolo_classifier_model(num_classes: int = len(LOGO_LABELS), cfg: str = "yolo11s-cls.yaml") -> nn.Module:
     """Randomly initialised Ultralytics classification model (architecture from its YAML)."""
     os.environ.setdefault("YOLO_OFFLINE", "1")
-    require("ultralytics", extra="logos")
+    require("ultralytics", extra="logos", pip_name="ultralytics-opencv-headless")
     from ultralytics.nn.tasks import ClassificationModel
 
     return ClassificationModel(cfg, nc=num_classes, verbose=False)
@@ -92,7 +92,7 @@ class YOLOLogoClassifier(PretrainedClassifier):
         if self.resolved is None:
             return yolo_classifier_model(len(LOGO_LABELS), self.arch)
         os.environ.setdefault("YOLO_OFFLINE", "1")
-        require("ultralytics", extra="logos")
+        require("ultralytics", extra="logos", pip_name="ultralytics-opencv-headless")
         from ultralytics.nn.tasks import load_checkpoint
 
         # Ultralytics checkpoints are pickled modules; only registry files with a pinned hash
@@ -135,6 +135,8 @@ class YOLOLogoClassifier(PretrainedClassifier):
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),
-            "ultralytics_version": package_version("ultralytics"),
+            # the headless build is a separate distribution of the same package
+            "ultralytics_version": (package_version("ultralytics-opencv-headless")
+                                    or package_version("ultralytics")),
             "arch": self.arch,
         }

@@ -25,11 +25,13 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image, PngImagePlugin
+
+if TYPE_CHECKING:  # torch is imported where used: result readers (leaderboards) need no torch
+    import torch
 
 TMP_SUFFIX = ".tmp"
 META_CHUNK = "emma"  # PNG text chunk holding an image's record (key, sha256, generation timing)
@@ -143,6 +145,8 @@ def stable_hash(obj: Any) -> str:
 
 
 def tensor_hash(t: torch.Tensor) -> str:
+    import torch
+
     t = t.detach().cpu().contiguous()
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}".encode())
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -204,12 +208,14 @@ def sweep_stale_tmp(root: Path) -> int:
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """(N, 3, H, W) float in [0, 1] -> (N, H, W, 3) uint8, rounding as PIL does."""
+    import torch
     arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
     return arr.permute(0, 2, 3, 1).cpu().numpy()
 
 
 def from_uint8(arr: np.ndarray) -> torch.Tensor:
     """(N, H, W, 3) uint8 -> (N, 3, H, W) float in [0, 1]."""
+    import torch
     return torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2).float() / 255.0
 
 

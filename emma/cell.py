@@ -7,6 +7,7 @@ write. Every stage is idempotent; a killed cell re-run picks up every finished i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from emma.cache import (
 from emma.erase import erase_cached
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.evaluate import judge_requests
+from emma.evidence import write_evidence
 from emma.generate import CachedGenerator, GenerationTarget, Judge
 from emma.metrics import METRIC_VERSIONS, cell_metrics
 from emma.pipelines import fingerprint, load_pipeline
@@ -342,6 +344,8 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     lines += [json.dumps(r) for r in attack_records(outputs, attacker)]
     lines += [json.dumps(line) for line in extra_lines]
     atomic_write_text(output_dir / "samples.jsonl", "\n".join(lines) + "\n")
+    counts["evidence_images"] = write_evidence(
+        generator, samples + [dataclasses.replace(s, group="attack") for o in outputs for s in o.samples], output_dir)
     result.save(output_dir / "results.json")  # last: its presence marks a finished cell
     if finished.enabled(cfg):
         finished.store(cfg, output_dir, key)

@@ -18,14 +18,17 @@ damaged entry is moved to ``<cache>/quarantine/`` and the method runs again. Loa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import logging
 import os
 import resource
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -42,6 +45,8 @@ from emma.cache import (
 from emma.errors import ConfigError, NonFiniteError
 from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -139,20 +144,58 @@ def erase_cached(
     root.mkdir(parents=True, exist_ok=True)
     sweep_stale_tmp(root)
     entry = root / key
-    if entry.exists():
-        originals = {comp: getattr(pipe, comp, None) for comp in method.edited_components}
-        try:
-            manifest = _verified_manifest(entry, key)
-            for comp in manifest["components"]:
-                _load_component(pipe, comp, entry / comp)
-            check_finite_weights(pipe, manifest["components"], f"cached erased model {entry}")
-            return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]),
-                               True, manifest)
-        except (DamagedEntry, NonFiniteError, OSError, ValueError, KeyError, RuntimeError) as err:
-            quarantine(entry, cache_root, "erased_model", f"{type(err).__name__}: {_first_line(err)}")
-            for comp, module in originals.items():  # undo a partial load: back to the base
-                setattr(pipe, comp, module)
+    hit = _load_verified(pipe, method, key, entry, cache_root)
+    if hit is not None:
+        return hit
+    # Jobs of a sweep that need the same erased model: the first erases, the others wait
+    # for it and load its entry instead of erasing again.
+    with erase_lock(root, key):
+        hit = _load_verified(pipe, method, key, entry, cache_root)
+        if hit is not None:
+            return hit
+        return _erase_and_store(pipe, method, concepts, root, key, base_fingerprint, domain, seed)
 
+
+def _load_verified(pipe: Any, method: ErasureMethod, key: str, entry: Path,
+                   cache_root: str | os.PathLike) -> EraseResult | None:
+    """The stored entry loaded into ``pipe`` after verification, or ``None`` when there is none
+    (a damaged entry is quarantined and ``pipe`` put back to the base)."""
+    if not entry.exists():
+        return None
+    originals = {comp: getattr(pipe, comp, None) for comp in method.edited_components}
+    try:
+        manifest = _verified_manifest(entry, key)
+        for comp in manifest["components"]:
+            _load_component(pipe, comp, entry / comp)
+        check_finite_weights(pipe, manifest["components"], f"cached erased model {entry}")
+        return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]), True, manifest)
+    except (DamagedEntry, NonFiniteError, OSError, ValueError, KeyError, RuntimeError) as err:
+        quarantine(entry, cache_root, "erased_model", f"{type(err).__name__}: {_first_line(err)}")
+        for comp, module in originals.items():  # undo a partial load: back to the base
+            setattr(pipe, comp, module)
+        return None
+
+
+@contextlib.contextmanager
+def erase_lock(root: Path, key: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<root>/.<key>.lock`` (works across processes and, through
+    the kernel's lock manager, across NFS clients)."""
+    path = root / f".{key}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("erase: another job is erasing %s; waiting for it", key[:12])
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root: Path, key: str,
+                     base_fingerprint: str, domain: str | None, seed: int) -> EraseResult:
+    entry = root / key
     device = pipe.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

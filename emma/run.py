@@ -51,13 +51,41 @@ def check_overrides(argv: list[str]) -> None:
 register_configs()
 
 
+class CellFailedError(Exception):
+    """A sweep cell's failure, carried as text: the launcher unpickles it in another process,
+    where an error class with a richer constructor would not rebuild."""
+
+
+def _write_error(out: str | Path, err: BaseException) -> None:
+    """``error.json`` next to where results.json would be: the sweep report and the
+    leaderboard show it (a crashed cell is listed, never silently missing)."""
+    import json
+    import traceback
+
+    from emma.cache import atomic_write_text
+
+    atomic_write_text(Path(out) / "error.json", json.dumps({
+        "error": f"{type(err).__name__}: {err}",
+        "traceback": "".join(traceback.format_exception(err))[-8000:],
+    }, indent=2) + "\n")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict | None:
     from hydra.errors import InstantiationException
+    from hydra.types import RunMode
 
     from emma import finished
 
-    out = HydraConfig.get().runtime.output_dir
+    hc = HydraConfig.get()
+    out = hc.runtime.output_dir
+    multirun = hc.mode == RunMode.MULTIRUN
+    done = Path(out) / "results.json"
+    if multirun and done.exists() and not cfg.get("overwrite", False):
+        # re-running a sweep resumes it: a finished cell keeps its results.json untouched
+        data = json.loads(done.read_text())
+        print(f"results: {done} (finished cell of this sweep, kept)")
+        return {k: v["value"] for k, v in data["metrics"].items()}
     try:
         check_output_dir(out, bool(cfg.get("overwrite", False)))
     except EmmaError as err:
@@ -71,6 +99,7 @@ def main(cfg: DictConfig) -> dict | None:
         return {k: v["value"] for k, v in data["metrics"].items()}
 
     from emma.cell import describe, run_cell
+    from emma.loggers import log_cell
 
     try:
         result = run_cell(cfg, out)
@@ -80,16 +109,19 @@ def main(cfg: DictConfig) -> dict | None:
               f"finished so far is kept in the cache {cache}; run the same command again to resume",
               file=sys.stderr)
         sys.exit(130)
-    except EmmaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except InstantiationException as err:
-        # a component refused its configuration: show its own message, not Hydra's wrapper
-        cause = err.__cause__
+    except Exception as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) else err
+        if multirun:
+            # one cell of a sweep: record and raise, so the launcher lists it and goes on
+            # (sys.exit would take a submitit job down without its reason)
+            _write_error(out, err)
+            raise CellFailedError(f"{type(cause).__name__}: {cause}") from err
         if isinstance(cause, EmmaError):
+            # a component refused its configuration: show its own message, not a traceback
             print(f"error: {cause}", file=sys.stderr)
             sys.exit(2)
         raise
+    log_cell(cfg, result, out)  # never raises: results.json is already written
     print(describe(result))
     print(f"results: {Path(out) / 'results.json'}")
     return {k: v.value for k, v in result.metrics.items()}

@@ -666,11 +666,12 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], bool, bool]:
 
 def check_output_dirs(overrides: Sequence[str], multirun: bool) -> None:
     """Before Hydra starts (it writes ``.hydra/`` into the run directory): refuse an explicit
-    ``hydra.run.dir`` that holds results.json, or a ``hydra.sweep.dir`` holding any, unless
-    ``overwrite=true``. Default directories carry a timestamp and never collide."""
+    ``hydra.run.dir`` that holds results.json unless ``overwrite=true``. A ``hydra.sweep.dir``
+    is not refused: running a sweep again into its folder resumes it, and each finished cell
+    keeps its results.json (emma/run.py). Default directories carry a timestamp."""
     values = dict(o.split("=", 1) for o in overrides if "=" in o)
-    if values.get("overwrite", "false").lower() == "true":
-        return
+    if values.get("overwrite", "false").lower() == "true" or multirun:
+        return  # a sweep run again into its folder resumes it: finished cells keep their results
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     folder = values.get(key)
     if not folder or "$" in folder:

@@ -413,9 +413,8 @@ def test_explicit_run_or_sweep_dir_with_results_is_refused_before_hydra_starts(p
     assert preflight([f"hydra.run.dir={run}"]) == 2
     _check_message(capsys.readouterr().err, [f"hydra.run.dir={run} already holds results.json",
                                              "add overwrite=true"], 1)
-    assert preflight(["-m", "concept=circle,star", f"hydra.sweep.dir={run.parent}"]) == 2
-    _check_message(capsys.readouterr().err, [f"hydra.sweep.dir={run.parent} already holds results.json",
-                                             "earlier sweep"], 1)
+    # a sweep folder is resumed, not refused: each finished cell keeps its results.json
+    assert preflight(["-m", "concept=circle,star", f"hydra.sweep.dir={run.parent}"]) == 0
     assert preflight([f"hydra.run.dir={run}", "overwrite=true"]) == 0
     assert preflight([f"hydra.run.dir={tmp_path / 'new'}"]) == 0
     assert _snapshot(cache, run) == before

@@ -1,0 +1,67 @@
+"""Image evidence of a cell: copies of the images in which the erased concept came back.
+
+Written next to results.json as ``evidence/<image hash>.png`` + ``evidence/index.json``
+(prompt, seed, group, kind, judge score per image), so leaderboards and W&B show the images
+from the result folder alone, without the cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+from PIL import Image
+
+from emma.cache import atomic_write_text
+
+if TYPE_CHECKING:
+    from emma.api.types import Sample
+
+EVIDENCE_DIR = "evidence"
+
+
+def select_evidence(samples: Sequence[Sample], limit: int = 16, context: int = 4) -> list[Sample]:
+    """Erasure-probing images the judge flagged (EA and attack samples), highest score
+    first, up to ``limit``; plus up to ``context`` unflagged EA images, so a cell whose concept
+    never came back still shows what the erased model draws instead."""
+    probing = [s for s in samples if s.group in ("ea", "attack")]
+    hits = sorted((s for s in probing if s.detected), key=lambda s: -s.score)[:limit]
+    misses = sorted((s for s in probing if not s.detected), key=lambda s: -s.score)[:context]
+    seen: set[str] = set()
+    out = []
+    for s in hits + misses:
+        if s.image_hash not in seen:
+            seen.add(s.image_hash)
+            out.append(s)
+    return out
+
+
+def write_evidence(generator: Any, samples: Sequence[Sample], output_dir: str | Path,
+                   limit: int = 16) -> int:
+    """Copy the selected images out of ``generator``'s image cache; returns how many.
+
+    Images drawn from prompt embeddings (white-box attacks) have no text key and are skipped.
+    """
+    folder = Path(output_dir) / EVIDENCE_DIR
+    index: list[dict[str, Any]] = []
+    for s in select_evidence(samples, limit):
+        key = generator.image_key(s.prompt, s.seed, generator.negative_prompt)
+        image = generator.cache.get(key)
+        if image is None:
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{s.image_hash[:16]}.png"
+        Image.fromarray(np.asarray(image)).save(folder / name)
+        index.append({"file": name, "prompt": s.prompt, "seed": s.seed, "group": s.group, "kind": s.kind,
+                      "concept": s.concept, "detected": s.detected, "score": s.score})
+    if index:
+        atomic_write_text(folder / "index.json", json.dumps(index, indent=2) + "\n")
+    return len(index)
+
+
+def read_evidence(cell_dir: str | Path) -> list[dict[str, Any]]:
+    """The evidence index of a result folder (empty when the cell wrote none)."""
+    path = Path(cell_dir) / EVIDENCE_DIR / "index.json"
+    return json.loads(path.read_text()) if path.exists() else []

@@ -1,0 +1,54 @@
+"""Publish a built leaderboard to Weights & Biases as ``wandb.Table`` s with images.
+
+Offline (``WANDB_MODE=offline``, the default when no key is configured) the run lands in
+``<out>/wandb/offline-run-*`` for ``wandb sync``; online it needs ``WANDB_API_KEY`` in the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from emma.evidence import EVIDENCE_DIR, read_evidence
+from emma.loggers import image_grid
+from leaderboards.render import row_dicts
+
+
+def publish_wandb(board: Any, project: str = "emma-leaderboard", entity: str | None = None) -> str:
+    """One W&B run holding every table of ``board``; returns the run's local folder."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    run = wandb.init(project=project, entity=entity, job_type="leaderboard", mode=mode, dir=str(board.out),
+                     config={"cells": len(board.cells), "failed": len(board.failed)},
+                     settings=wandb.Settings(silent=True, console="off"), reinit="finish_previous")
+    try:
+        grids: dict[str, Any] = {}
+        for c in board.cells:
+            items = read_evidence(c.path)
+            if items:
+                grids[c.anchor] = wandb.Image(
+                    image_grid([c.path / EVIDENCE_DIR / e["file"] for e in items]),
+                    caption=" | ".join(f"{'+' if e['detected'] else '-'} {e['prompt']}" for e in items[:8]))
+        logged: dict[str, Any] = {}
+        for t in board.tables:
+            cols = list(t.columns) + (["evidence"] if t.kind != "asr" else [])
+            table = wandb.Table(columns=cols)
+            for row, flat in zip(t.rows, row_dicts(t)):
+                values = [flat[c] for c in t.columns]
+                if t.kind != "asr":
+                    values.append(grids.get(row.get("_anchor")))
+                table.add_data(*values)
+            logged[f"leaderboard/{t.name}"] = table
+        # the grids also as plain images: a table's image cells may live only in artifacts
+        logged.update({f"evidence/{anchor}": img for anchor, img in grids.items()})
+        for paths in board.plots.values():
+            for p in paths:
+                logged[f"plots/{p.stem}"] = wandb.Image(str(p))
+        run.log(logged)
+        if board.failed:
+            run.summary["failed_cells"] = [f"{f.overrides or f.path}: {f.error}" for f in board.failed]
+        return run.dir
+    finally:
+        run.finish()

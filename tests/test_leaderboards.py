@@ -1,0 +1,175 @@
+"""Local sweeps (hydra/launcher=local), W&B logging, and the leaderboard built from result files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_env
+
+# plumbing cells (random tiny pipeline and judge): these tests check how results travel
+MISSING_WEIGHTS = "/nonexistent/judge.safetensors"
+CELL = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", "metrics=rates_only",
+        "prompt_types=[name,random]", "images_per_prompt=2"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A local two-process sweep: the tiny-world circle cell (logged to W&B offline) and a
+    cell with a misspelt concept that crashes."""
+    root = tmp_path_factory.mktemp("sweep")
+    # every setting is valid (a sweep with an invalid one starts no job), but the second cell's
+    # judge weights are missing: it fails when it runs
+    cells = [c for c in CELL if not c.startswith("classifier.weights=")]
+    cmd = [sys.executable, "-m", "emma.run", "-m", "hydra/launcher=local", *cells, "logger=wandb",
+           f"classifier.weights=null,{MISSING_WEIGHTS}", f"hydra.sweep.dir={root / 'sweep'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env(root / "cache", WANDB_MODE="offline"),
+                          capture_output=True, text=True, timeout=900)
+    return root, proc
+
+
+def test_a_crashing_cell_does_not_stop_the_sweep_and_is_reported(sweep):
+    root, proc = sweep
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((root / "sweep" / "sweep_report.json").read_text())
+    assert (report["completed"], report["failed"]) == (1, 1)
+    bad = [c for c in report["cells"] if c["status"] == "failed"][0]
+    assert f"classifier.weights={MISSING_WEIGHTS}" in bad["overrides"]
+    assert f"weights not found at {MISSING_WEIGHTS}" in bad["error"]
+    log = proc.stdout + proc.stderr
+    assert "cell #1 (" in log and "weights not found" in log
+    res = json.loads(next((root / "sweep").glob("0_*/results.json")).read_text())
+    assert res["cell"]["concept"] == "circle" and res["counts"]["images"] == 12
+    err = json.loads(next((root / "sweep").glob("1_*/error.json")).read_text())
+    assert "UnknownChoiceError" in err["error"] or "unknown concept" in err["error"]
+
+
+def _wandb_files(run_dir: Path) -> dict[str, Path]:
+    return {p.relative_to(run_dir).as_posix(): p for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_wandb_logger_offline_run_holds_the_evidence_images_and_grid(sweep):
+    root, _ = sweep
+    cell = next((root / "sweep").glob("0_*"))
+    (run_dir,) = list((cell / "wandb").glob("offline-run-*"))
+    files = _wandb_files(run_dir)
+    res = json.loads((cell / "results.json").read_text())
+    assert any(k.endswith(".wandb") for k in files)  # the run's record (metrics, config)
+    images = [k for k in files if k.startswith("files/media/images/") and k.endswith(".png")]
+    n_evidence = res["counts"]["evidence_images"]
+    assert n_evidence > 0 and len(images) == n_evidence + 1  # each evidence image + the grid
+
+
+def test_failing_wandb_keeps_results(sweep, caplog):
+    from omegaconf import OmegaConf
+
+    from emma.loggers import log_cell
+    from emma.results import CellResult
+
+    root, _ = sweep
+    cell = next((root / "sweep").glob("0_*"))
+    before = (cell / "results.json").read_bytes()
+    cfg = OmegaConf.create({"logger": {"name": "wandb", "project": "emma", "mode": "no-such-mode"}})
+    with caplog.at_level(logging.WARNING, logger="emma.loggers"):
+        log_cell(cfg, CellResult.load(cell / "results.json"), cell)
+    assert "logger wandb failed" in caplog.text and "results.json is unaffected" in caplog.text
+    assert (cell / "results.json").read_bytes() == before
+
+
+def test_leaderboard_rows_failed_cells_and_incremental_rebuild(sweep, tmp_path):
+    from leaderboards.build import build, main
+
+    root, _ = sweep
+    board = build([root / "sweep"], tmp_path / "board")
+    methods = next(t for t in board.tables if t.kind == "methods")
+    res = json.loads(next((root / "sweep").glob("0_*/results.json")).read_text())
+    (row,) = methods.rows
+    assert (row["method"], row["concept"]) == ("none", "circle")
+    assert row["ea/name"]["value"] == res["metrics"]["ea/name"]["value"]
+    assert [f.error for f in board.failed] and "nonexistent" in board.failed[0].overrides
+    md = (tmp_path / "board" / "tinyworld_methods.md").read_text()
+    ra = res["metrics"]["ra/random"]
+    assert f"{ra['value']:.3f} [{ra['ci_low']:.3f}, {ra['ci_high']:.3f}]" in md
+    csv = (tmp_path / "board" / "tinyworld_methods.csv").read_text().splitlines()
+    assert csv[0].startswith("model,method,concept,attacker,ea/name,ea/name_ci_low")
+    html = (tmp_path / "board" / "index.html").read_text()
+    assert "Failed cells" in html and "unknown concept" in html
+    assert html.count("data:image/png;base64,") == res["counts"]["evidence_images"] + 2  # + 2 plots
+    assert (tmp_path / "board" / "plots" / "tinyworld_ea_vs_ra.png").stat().st_size > 1000
+
+    again = build([root / "sweep"], tmp_path / "board")
+    assert again.up_to_date and again.parsed == 0
+    assert main([str(root / "sweep"), "--out", str(tmp_path / "board")]) == 0
+
+
+def _copy_cell(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("wandb"))
+    data = json.loads((dst / "results.json").read_text())
+    edit(data)
+    (dst / "results.json").write_text(json.dumps(data))
+    return dst
+
+
+def test_two_versions_of_a_method_are_never_merged(sweep, tmp_path, capsys):
+    from leaderboards.build import build, main
+    from leaderboards.collect import LeaderboardError
+
+    root, _ = sweep
+    cell = next((root / "sweep").glob("0_*"))
+
+    def bump(data):
+        data["versions"]["components"]["method"]["version"] = 99
+        data["metrics"]["ea/name"]["value"] = 0.5
+
+    _copy_cell(cell, tmp_path / "v99", bump)
+    with pytest.raises(LeaderboardError, match=r"method 'none' appears in 2 different versions"):
+        build([cell, tmp_path / "v99"], tmp_path / "board")
+    assert main([str(cell), str(tmp_path / "v99"), "--out", str(tmp_path / "board")]) == 2
+    err = capsys.readouterr().err
+    assert "never merged" in err and "version 99" in err and "--split-versions" in err
+
+    board = build([cell, tmp_path / "v99"], tmp_path / "board", split_versions=True)
+    rows = next(t for t in board.tables if t.kind == "methods").rows
+    assert len(rows) == 2 and len({r["method"] for r in rows}) == 2
+    assert sorted(r["ea/name"]["value"] for r in rows) == sorted(
+        [0.5, json.loads((cell / "results.json").read_text())["metrics"]["ea/name"]["value"]])
+
+
+def test_unknown_schema_version_is_a_clear_error(sweep, tmp_path, capsys):
+    from leaderboards.build import main
+
+    root, _ = sweep
+    cell = next((root / "sweep").glob("0_*"))
+    _copy_cell(cell, tmp_path / "future", lambda d: d.update(schema_version=7))
+    assert main([str(tmp_path / "future"), "--out", str(tmp_path / "board")]) == 2
+    err = capsys.readouterr().err
+    from emma.results import SCHEMA_VERSION
+
+    assert "schema_version 7 is unknown" in err and f"reads schema version(s) {SCHEMA_VERSION}" in err
+    assert (cell / "results.json").exists()
+
+
+def test_wandb_publish_offline_holds_tables_and_grids(sweep, tmp_path, monkeypatch):
+    from leaderboards.build import main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    root, _ = sweep
+    assert main([str(root / "sweep"), "--out", str(tmp_path / "board"), "--wandb"]) == 0
+    (run_dir,) = list((tmp_path / "board" / "wandb").glob("offline-run-*"))
+    files = _wandb_files(run_dir)
+    tables = {k: json.loads(p.read_text()) for k, p in files.items() if k.endswith(".table.json")}
+    methods = next(v for k, v in tables.items() if "tinyworld_methods" in k)
+    assert methods["columns"][:4] == ["model", "method", "concept", "attacker"]
+    assert methods["columns"][-1] == "evidence"
+    (row,) = methods["data"]
+    res = json.loads(next((root / "sweep").glob("0_*/results.json")).read_text())
+    assert row[methods["columns"].index("ea/name")] == res["metrics"]["ea/name"]["value"]
+    assert row[-1] is not None  # the evidence grid cell
+    grids = [k for k in files if k.startswith("files/media/images/evidence/") and k.endswith(".png")]
+    assert len(grids) == 1
