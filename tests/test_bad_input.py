@@ -133,7 +133,7 @@ CELL_CASES = [
     ("model-key-misspelt", ["model.batchsize=4"], ["model.batchsize=4", "did you mean 'batch_size'"], 1),
     ("metrics-key-misspelt", ["metrics.fid.nref=3"], ["metrics.fid.nref=3", "did you mean 'n_ref'"], 1),
     ("attacker-key-misspelt", ["attacker.kindz=[name]"], ["attacker.kindz=[name]", "did you mean 'kinds'"], 1),
-    ("group-not-axis", ["+llm=openai"], ["+llm=openai", "'llm' is not an axis", "axes: model, method"], 1),
+    ("group-not-axis", ["+preset=esd_tiny"], ["+preset=esd_tiny", "'preset' is not an axis", "axes: model, method"], 1),
     ("override-parse", ["concept=[a"], ["concept=[a", "does not parse"], 1),
     ("overwrite-not-bool", ["overwrite=maybe"], ["overwrite=maybe"], 1),
     ("method-choice", ["method=esdd"], ["unknown method 'esdd'. Did you mean 'esd'", "Available: ca, ca_model"], 1),
