@@ -91,17 +91,19 @@ def main(cfg: DictConfig) -> dict | None:
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    hit = finished.lookup(cfg, out)
-    if hit is not None:  # a finished cell with the same inputs: no pipeline, no heavy imports
-        data = json.loads(hit.read_text())
-        print(finished.describe_json(data))
-        print(f"results: {hit} (finished cell served from the cache)")
-        return {k: v["value"] for k, v in data["metrics"].items()}
-
-    from emma.cell import describe, run_cell
     from emma.loggers import log_cell
 
     try:
+        # the finished-cell key hashes local weight files: a missing one fails here, recorded
+        # like any other failure of the cell
+        hit = finished.lookup(cfg, out)
+        if hit is not None:  # a finished cell with the same inputs: no pipeline, no heavy imports
+            data = json.loads(hit.read_text())
+            print(finished.describe_json(data))
+            print(f"results: {hit} (finished cell served from the cache)")
+            return {k: v["value"] for k, v in data["metrics"].items()}
+        from emma.cell import describe, run_cell
+
         result = run_cell(cfg, out)
     except KeyboardInterrupt:
         cache = Path(str(cfg.paths.cache_dir)).expanduser()

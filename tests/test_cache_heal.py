@@ -63,7 +63,7 @@ def _target(cache: Path, kind: str) -> Path:
     if kind == "fid_statistics":
         (path,) = (cache / "fid_stats").glob("*.npz")
         return path
-    (entry,) = (cache / "erased").iterdir()
+    (entry,) = [p for p in (cache / "erased").iterdir() if not p.name.startswith(".")]  # not the erase lock
     if kind == "erased_manifest":
         return entry / "manifest.json"
     return entry / "unet" / "diffusion_pytorch_model.safetensors"

@@ -146,7 +146,8 @@ def test_every_preset_names_a_component_and_only_its_keys(path):
     assert (CONF / "scale" / f"{scale}.yaml").exists(), f"{path.name}: unknown scale {scale!r}"
     assert path.read_text().startswith(f"# @package {group}"), f"{path.name} must start with '# @package {group}'"
     component = OmegaConf.load(CONF / group / f"{choice}.yaml")
-    parents = [OmegaConf.load(CONF / group / f"{d}.yaml") for d in component.get("defaults", []) if d != "_self_"]
+    parents = [OmegaConf.load(CONF / group / f"{d}.yaml") for d in component.get("defaults", [])
+               if isinstance(d, str) and d != "_self_"]  # entries of other groups ({/llm: ...}) are no parents
     known = set(component) | {k for p in parents for k in p}
     preset = OmegaConf.load(path)
     assert set(preset) - {"defaults"} <= known, f"{path.name}: keys not in {group}/{choice}: {set(preset) - known}"

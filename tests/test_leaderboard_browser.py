@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from emma.results import SCHEMA_VERSION  # noqa: E402
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install chromium)")
 
@@ -44,7 +46,7 @@ def _cell(root: Path, method: str, ra: float, ea: float, rng: np.random.Generato
                "ra/random": {"value": ra, "ci_low": ra - 0.1, "ci_high": min(1, ra + 0.1), "n": 40},
                "asr": {"value": 1 - ea, "ci_low": 0.0, "ci_high": 1.0, "n": 8}}
     (root / "results.json").write_text(json.dumps({
-        "schema_version": 1, "metrics": metrics,
+        "schema_version": SCHEMA_VERSION, "metrics": metrics,
         "cell": {"model": "tinyworld", "method": method, "domain": "tinyworld", "concept": "circle",
                  "attacker": "static", "classifier": "tinyworld"},
         "config": {}, "timing": {}, "notes": [], "counts": {"evidence_images": 3},

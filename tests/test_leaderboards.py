@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ROOT, run_env
 
 # plumbing cells (random tiny pipeline and judge): these tests check how results travel
-MISSING_WEIGHTS = "/nonexistent/judge.safetensors"
+MISSING_WEIGHTS = "missing-judge.safetensors"  # no "/": the value names the job folder
 CELL = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", "metrics=rates_only",
         "prompt_types=[name,random]", "images_per_prompt=2"]
 
@@ -47,7 +47,7 @@ def test_a_crashing_cell_does_not_stop_the_sweep_and_is_reported(sweep):
     res = json.loads(next((root / "sweep").glob("0_*/results.json")).read_text())
     assert res["cell"]["concept"] == "circle" and res["counts"]["images"] == 12
     err = json.loads(next((root / "sweep").glob("1_*/error.json")).read_text())
-    assert "UnknownChoiceError" in err["error"] or "unknown concept" in err["error"]
+    assert "WeightsUnavailableError" in err["error"] and MISSING_WEIGHTS in err["error"]
 
 
 def _wandb_files(run_dir: Path) -> dict[str, Path]:
@@ -92,14 +92,14 @@ def test_leaderboard_rows_failed_cells_and_incremental_rebuild(sweep, tmp_path):
     (row,) = methods.rows
     assert (row["method"], row["concept"]) == ("none", "circle")
     assert row["ea/name"]["value"] == res["metrics"]["ea/name"]["value"]
-    assert [f.error for f in board.failed] and "nonexistent" in board.failed[0].overrides
+    assert [f.error for f in board.failed] and "missing-judge" in board.failed[0].overrides
     md = (tmp_path / "board" / "tinyworld_methods.md").read_text()
     ra = res["metrics"]["ra/random"]
     assert f"{ra['value']:.3f} [{ra['ci_low']:.3f}, {ra['ci_high']:.3f}]" in md
     csv = (tmp_path / "board" / "tinyworld_methods.csv").read_text().splitlines()
     assert csv[0].startswith("model,method,concept,attacker,ea/name,ea/name_ci_low")
     html = (tmp_path / "board" / "index.html").read_text()
-    assert "Failed cells" in html and "unknown concept" in html
+    assert "Failed cells" in html and MISSING_WEIGHTS in html
     assert html.count("data:image/png;base64,") == res["counts"]["evidence_images"] + 2  # + 2 plots
     assert (tmp_path / "board" / "plots" / "tinyworld_ea_vs_ra.png").stat().st_size > 1000
 
