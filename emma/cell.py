@@ -39,8 +39,9 @@ from emma.cache import (
     repairs_since,
     sha256_file,
 )
+from emma.config import classifier_config
 from emma.erase import erase_cached
-from emma.errors import ConfigError, UnknownChoiceError
+from emma.errors import ConfigError
 from emma.evaluate import judge_requests
 from emma.evidence import write_evidence
 from emma.generate import CachedGenerator, GenerationTarget, Judge
@@ -52,22 +53,6 @@ from emma.weights import ENV_CACHE
 
 log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-def classifier_config(cfg: DictConfig, name: str | None, domain: Domain) -> DictConfig:
-    """The classifier config: the ``classifier`` group's choice, or — when that choice is
-    ``auto`` — the file ``conf/classifier/<name>.yaml`` the domain asks for, with keys added
-    on the command line (``+classifier.threshold=0.6``) merged in."""
-    ccfg = cfg.classifier
-    if ccfg.get("_target_") is None:
-        path = CONF_DIR / "classifier" / f"{name}.yaml"
-        if not path.exists():
-            valid = [p.stem for p in (CONF_DIR / "classifier").glob("*.yaml") if p.stem != "auto"]
-            raise UnknownChoiceError(f"classifier (asked for by domain '{domain.name}')", name, valid)
-        base = OmegaConf.load(path)
-        overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
-        ccfg = OmegaConf.merge(base, overrides)
-    return ccfg
 
 
 class Judges:

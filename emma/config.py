@@ -16,6 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from emma.errors import UnknownChoiceError
 from emma.model_config import ModelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -90,7 +91,7 @@ def other_concepts(domain: str, _root_: DictConfig) -> ListConfig:
     serves every concept of a domain. The resolved list shows in ``--cfg job`` and
     results.json, and is hashed into the erased-model cache key with the method's config.
     """
-    from emma.errors import UnknownChoiceError
+
 
     if _root_.domain.get("name") == domain:
         dcfg = _root_.domain
@@ -119,3 +120,19 @@ def register_configs() -> None:
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="paths", name="paths_schema", node=PathsConfig)
+
+
+def classifier_config(cfg: DictConfig, name: str | None, domain: Any) -> DictConfig:
+    """The classifier config: the ``classifier`` group's choice, or — when that choice is
+    ``auto`` — the file ``conf/classifier/<name>.yaml`` the domain asks for, with keys added
+    on the command line (``+classifier.threshold=0.6``) merged in."""
+    ccfg = cfg.classifier
+    if ccfg.get("_target_") is None:
+        path = CONF_DIR / "classifier" / f"{name}.yaml"
+        if not path.exists():
+            valid = [p.stem for p in (CONF_DIR / "classifier").glob("*.yaml") if p.stem != "auto"]
+            raise UnknownChoiceError(f"classifier (asked for by domain '{domain.name}')", name, valid)
+        base = OmegaConf.load(path)
+        overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
+        ccfg = OmegaConf.merge(base, overrides)
+    return ccfg

@@ -43,3 +43,17 @@ class ModelConfig:
     batch_size: int = 4
     init_seed: int = 0
     negative_prompt: Optional[str] = None
+
+
+# The choices a model config may name (checked before any work, without importing torch).
+PIPELINE_CLASSES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
+SCHEDULERS = (
+    "PNDMScheduler",
+    "DDIMScheduler",
+    "DDPMScheduler",
+    "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler",
+    "DPMSolverMultistepScheduler",
+    "LMSDiscreteScheduler",
+)
+DTYPE_NAMES = ("float32", "float16", "bfloat16")

@@ -18,21 +18,16 @@ from typing import Any
 import torch
 
 from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
-from emma.model_config import ModelConfig  # noqa: F401  (re-exported: the schema of conf/model)
+from emma.model_config import (  # noqa: F401  (re-exported)
+    DTYPE_NAMES,
+    PIPELINE_CLASSES,
+    SCHEDULERS,
+    ModelConfig,  # noqa: F401  (re-exported: the schema of conf/model)
+)
 
 TINYWORLD_DIR = Path(__file__).resolve().parent / "tinyworld" / "assets" / "pipeline"
 
-PIPELINE_CLASSES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
-SCHEDULERS = (
-    "PNDMScheduler",
-    "DDIMScheduler",
-    "DDPMScheduler",
-    "EulerDiscreteScheduler",
-    "EulerAncestralDiscreteScheduler",
-    "DPMSolverMultistepScheduler",
-    "LMSDiscreteScheduler",
-)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:

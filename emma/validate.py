@@ -222,12 +222,12 @@ def _check_model(model: Any, out: list[Violation]) -> None:
     _enum(out, "model.kind", kind, MODEL_KINDS)
     if kind == "diffusers":
         _nonempty_str(out, "model.pretrained", _get(model, "pretrained"), "a hub id or a local folder")
-        from emma.pipelines import PIPELINE_CLASSES
+        from emma.model_config import PIPELINE_CLASSES
 
         _enum(out, "model.pipeline_class", _get(model, "pipeline_class"), PIPELINE_CLASSES)
-    from emma.pipelines import DTYPES, SCHEDULERS
+    from emma.model_config import DTYPE_NAMES, SCHEDULERS
 
-    _enum(out, "model.dtype", _get(model, "dtype"), list(DTYPES))
+    _enum(out, "model.dtype", _get(model, "dtype"), list(DTYPE_NAMES))
     _enum(out, "model.scheduler", _get(model, "scheduler"), SCHEDULERS, allow_null=True)
     device = _get(model, "device")
     if not isinstance(device, str) or not DEVICE.match(device):
@@ -367,7 +367,7 @@ def _check_domain_and_classifier(cfg: DictConfig, out: list[Violation]) -> None:
     if classifier is None:
         return
     if _get(classifier, "_target_") is None:  # auto: the domain's judge(s) with the overrides merged
-        from emma.cell import classifier_config
+        from emma.config import classifier_config
 
         names = {domain.classifier, *(v for m in getattr(domain, "classifier_overrides", {}).values()
                                       for v in m.values())}

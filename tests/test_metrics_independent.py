@@ -286,7 +286,9 @@ def test_finished_cell_is_served_without_a_pipeline(cell):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "served from the cache" in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
-    assert "torch" not in imported and "diffusers" not in imported
+    # no pipeline is loaded (torch itself is imported: the pre-flight checks import the
+    # components' modules to check their parameters)
+    assert "diffusers" not in imported
     first = (cell["dir"] / "results.json").read_bytes()
     assert (cell["tmp"] / "served" / "results.json").read_bytes() == first
     assert (cell["tmp"] / "served" / "samples.jsonl").read_bytes() == (cell["dir"] / "samples.jsonl").read_bytes()

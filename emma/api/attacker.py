@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, Sequence
 
-import torch
+if TYPE_CHECKING:  # annotations only: the pre-flight checks import this module without torch
+    import torch
 
 from emma.api.types import AttackOutput, GeneratedImages, PromptRequest
 from emma.errors import ConfigError

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
-import torch
+if TYPE_CHECKING:  # annotations only: readers of results (validation, leaderboards) need no torch
+    import torch
 
 EA_TYPES: tuple[str, ...] = ("name", "prefix", "variant", "short", "long")
 RA_TYPES: tuple[str, ...] = ("random", "similar")
