@@ -270,7 +270,7 @@ def test_a_method_that_diverges_to_nan_stores_nothing(tmp_path):
     pipe = tiny_random_pipeline(seed=0)
     with pytest.raises(NonFiniteError, match="method 'diverging' gave unet weights with NaN/inf"):
         erase_cached(pipe, DivergingMethod(), ["circle"], tmp_path, base_fingerprint=fingerprint(pipe))
-    assert not any((tmp_path / "erased").iterdir())
+    assert not [p for p in (tmp_path / "erased").iterdir() if not p.name.startswith(".")]  # the erase lock may stay
 
 
 def test_nan_images_stop_the_cell_and_are_not_cached(tmp_path):
@@ -374,7 +374,9 @@ def test_cli_refuses_a_run_dir_with_results_and_nan_checkpoint(precious, tmp_pat
 
 def test_ctrl_c_keeps_the_cache_and_says_how_to_resume(tmp_path):
     cache = tmp_path / "cache"
-    args = [*TINY, "images_per_prompt=6", "prompt_types=[name,variant,short,random]", "model.batch_size=2"]
+    # 13 prompts x 20 images: enough that a fast machine cannot finish before the interrupt
+    args = [*TINY, "images_per_prompt=20", "prompt_types=[name,variant,short,random]", "model.batch_size=2"]
+    total = 13 * 20
     proc = subprocess.Popen([sys.executable, "-m", "emma.run", *args, f"hydra.run.dir={tmp_path / 'a'}"],
                             cwd=ROOT, env=run_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -389,12 +391,12 @@ def test_ctrl_c_keeps_the_cache_and_says_how_to_resume(tmp_path):
     assert "kept in the cache" in line and "run the same command again to resume" in line
     assert not (tmp_path / "a" / "results.json").exists()
     kept = len(list(cache.rglob("*.png")))
-    assert 8 <= kept < 78
+    assert 8 <= kept < total
 
     resumed = emma_run([*args, f"hydra.run.dir={tmp_path / 'b'}"], cache, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     res = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert res["counts"]["images_generated"] == 78 - kept and res["counts"]["cache_repairs"] == 0
+    assert res["counts"]["images_generated"] == total - kept and res["counts"]["cache_repairs"] == 0
 
 
 def test_overwrite_true_replaces_results(tmp_path):
