@@ -171,12 +171,12 @@ def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     keys: list[str] = []
-    path = CONF / "preset" / "method" / f"{method}_tiny.yaml"
-    while path.exists():
-        preset = OmegaConf.load(path)
+    name: str | None = f"{method}_tiny"
+    while name is not None and (CONF / "preset" / "method" / f"{name}.yaml").exists():
+        preset = OmegaConf.load(CONF / "preset" / "method" / f"{name}.yaml")
         keys += [k for k in preset if k != "defaults" and k not in keys]
         parents = [d for d in preset.get("defaults", []) if d != "_self_"]
-        path = CONF / "preset" / "method" / f"{parents[0]}.yaml" if parents else Path("/nonexistent")
+        name = parents[0] if parents else None  # a preset extends at most one other
     out = {}
     for k in keys:
         v = config.get(k)

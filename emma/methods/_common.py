@@ -9,7 +9,6 @@ here edits pipeline *components*; nothing subclasses or patches the pipeline.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -445,25 +444,19 @@ OTHERS = "<others>"
 
 
 def domain_concept_names(domain: str | None) -> list[str]:
-    """The concept names of ``conf/domain/<domain>.yaml`` (instantiated once per process)."""
-    if domain is None:
-        raise ConfigError(f"'{OTHERS}' stands for the domain's other concepts, but no domain was given")
-    return list(_domain_concepts_cached(str(domain)))
-
-
-@functools.cache
-def _domain_concepts_cached(domain: str) -> tuple[str, ...]:
-    from pathlib import Path
-
-    import hydra
+    """The concept names of ``conf/domain/<domain>.yaml`` (built once per process, shared with
+    the ``${emma.other_concepts:...}`` resolver through :func:`emma.config.build_domain`)."""
     from omegaconf import OmegaConf
 
-    conf = Path(__file__).resolve().parents[2] / "conf" / "domain"
-    path = conf / f"{domain}.yaml"
+    from emma.config import CONF_DIR, build_domain
+
+    if domain is None:
+        raise ConfigError(f"'{OTHERS}' stands for the domain's other concepts, but no domain was given")
+    path = CONF_DIR / "domain" / f"{domain}.yaml"
     if not path.exists():
-        raise UnknownChoiceError(f"domain (to expand '{OTHERS}')", domain, [p.stem for p in conf.glob("*.yaml")])
-    dom = hydra.utils.instantiate(OmegaConf.load(path), _convert_="all")
-    return tuple(dom.concepts)
+        valid = sorted(p.stem for p in (CONF_DIR / "domain").glob("*.yaml"))
+        raise UnknownChoiceError(f"domain (to expand '{OTHERS}')", str(domain), valid)
+    return list(build_domain(OmegaConf.load(path)).concepts)
 
 
 def expand_others(names: Any, domain: str | None, erased: Sequence[str]) -> list[str]:
