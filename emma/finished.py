@@ -144,19 +144,25 @@ def enabled(cfg: Any) -> bool:
     return bool(cfg["paths"].get("reuse_results", True))
 
 
+def entry(cfg: Any) -> Path | None:
+    """The stored result of a cell whose inputs hash to a finished one, else ``None``."""
+    if not enabled(cfg):
+        return None
+    found = cache_dir(cfg) / "results" / cell_key(cfg)
+    return found if all((found / f).is_file() for f in FILES) else None
+
+
 def lookup(cfg: Any, output_dir: str | os.PathLike) -> Path | None:
     """If the cell's inputs hash to a stored result, copy its files into ``output_dir`` and
     return the path of the copied ``results.json``; else ``None``."""
-    if not enabled(cfg):
-        return None
-    entry = cache_dir(cfg) / "results" / cell_key(cfg)
-    if not all((entry / f).is_file() for f in FILES):
+    found = entry(cfg)
+    if found is None:
         return None
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in reversed(FILES):  # results.json last: its presence marks a finished cell
         tmp = out / f".{f}.{os.getpid()}.tmp"
-        shutil.copyfile(entry / f, tmp)
+        shutil.copyfile(found / f, tmp)
         os.replace(tmp, out / f)
     return out / "results.json"
 
@@ -165,9 +171,9 @@ def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Pa
     """Store a finished cell's files under its key (``key`` as computed before the run)."""
     key = key or cell_key(cfg)
     root = cache_dir(cfg) / "results"
-    entry = root / key
-    if entry.exists():
-        return entry
+    dest = root / key
+    if dest.exists():
+        return dest
     tmp = root / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -175,10 +181,10 @@ def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Pa
         shutil.copyfile(Path(output_dir) / f, tmp / f)
     (tmp / "key.json").write_text(json.dumps(cell_inputs(cfg), sort_keys=True, indent=1, default=str))
     try:
-        os.replace(tmp, entry)
+        os.replace(tmp, dest)
     except OSError:  # stored concurrently by another job: identical inputs, identical entry
         shutil.rmtree(tmp, ignore_errors=True)
-    return entry
+    return dest
 
 
 def describe_json(data: dict[str, Any]) -> str:

@@ -286,9 +286,8 @@ def test_finished_cell_is_served_without_a_pipeline(cell):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "served from the cache" in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
-    # no pipeline is loaded (torch itself is imported: the pre-flight checks import the
-    # components' modules to check their parameters)
-    assert "diffusers" not in imported
+    # no pipeline, not even torch: the pre-flight skips the component checks of a finished cell
+    assert "diffusers" not in imported and "torch" not in imported
     first = (cell["dir"] / "results.json").read_bytes()
     assert (cell["tmp"] / "served" / "results.json").read_bytes() == first
     assert (cell["tmp"] / "served" / "samples.jsonl").read_bytes() == (cell["dir"] / "samples.jsonl").read_bytes()
