@@ -189,7 +189,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     bias_cfg = cfg.metrics.bias
     if bias_cfg.enabled:
         t = time.perf_counter()
-        sets = quality.bias_sets(domain.name, bias_cfg.attributes, seed=int(cfg.seed))
+        sets = quality.bias_sets(domain, bias_cfg.attributes, seed=int(cfg.seed))
         base_gen = make_generator(pipe, base_fp)
         base_bias = {b.attribute: quality.render_groups(base_gen, b, int(bias_cfg.images_per_prompt), "bias: base")
                      for b in sets}
@@ -244,7 +244,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         texts = [r.prompt for r in requests for _ in r.seeds()]
         seeds = [s for r in requests for s in r.seeds()]
         fid, provenance["fid"] = quality.fid_metric(
-            domain.name, generator.generate(texts, seeds).images,
+            domain, generator.generate(texts, seeds).images,
             clusters=[i for i, r in enumerate(requests) for _ in r.seeds()],
             concepts=[r.concept for r in requests for _ in r.seeds()],
             judge=suite_judge, cfg=cfg.metrics.fid, notes=notes, cache_root=cache_root, seed=int(cfg.seed))
@@ -256,7 +256,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         erased_bias = {b.attribute: quality.render_groups(generator, b, int(bias_cfg.images_per_prompt),
                                                           "bias: erased") for b in sets}
         metrics.update(quality.bias_metrics(base_bias, erased_bias, sets,
-                                            quality.similarities(domain.name, suite_judge, notes),
+                                            quality.similarities(domain, suite_judge, notes),
                                             int(bias_cfg.n_resamples), int(cfg.seed),
                                             pairing=str(bias_cfg.get("pairing", "paired")),
                                             images_per_prompt=int(bias_cfg.images_per_prompt)))

@@ -1,8 +1,11 @@
 """The cell's image-quality and bias stages (EMMA metrics 10-12).
 
 * **FID** of the erased model's suite images (EA + RA prompts, as EMMA) against a reference
-  set: on the tiny world, procedurally rendered scenes in the tiny-world judge's feature
-  space; elsewhere clean-fid's Inception features against cached COCO statistics.
+  set: for a domain that renders its own references (the tiny world), those scenes in its
+  judge's feature space; elsewhere clean-fid's Inception features against cached COCO
+  statistics. What a domain offers these stages is part of its API
+  (:class:`~emma.api.domain.Domain`: ``bias_attributes``, ``bias_prompt_set``,
+  ``reference_images``).
 * **Bias** ``B_a = s(I_n, I_ref) - s(I_n, I_a)`` for the base and the erased model and its
   change (see :mod:`emma.metrics.bias`). EMMA's sets are gender (male reference) and
   ethnicity (White reference). The tiny world has no people; its set is *colour*: neutral
@@ -17,32 +20,25 @@ from typing import Any, Sequence
 
 import torch
 
+from emma.api.domain import Domain
 from emma.api.types import PromptRequest
-from emma.datasets.bias import SEED_STRIDE, BiasPromptSet, bias_prompt_set
+from emma.datasets.bias import BiasPromptSet
 from emma.errors import ConfigError
 from emma.generate import CachedGenerator
 from emma.metrics.base import MetricValue
 from emma.metrics.bias import PAIRED, PAIRINGS, CLIPSimilarity, SSIMSimilarity, compare_bias, compare_bias_paired
-from emma.tinyworld import world
-
-TINYWORLD_DOMAINS = ("tinyworld", "tinyworld_style")
 
 
-def tinyworld_colour_bias_set(reference: str = "red", compared: Sequence[str] = ("blue",),
-                              seed: int = 0) -> BiasPromptSet:
-    """Neutral "an image of a <shape>" vs coloured versions, over the 8 shapes."""
-    groups = {"neutral": tuple(world.with_template("an image of a {x}", s) for s in world.SHAPES)}
-    for colour in (reference, *compared):
-        groups[colour] = tuple(world.with_template("an image of a {x}", f"{colour} {s}") for s in world.SHAPES)
-    seeds = tuple(seed + i * SEED_STRIDE for i in range(len(world.SHAPES)))
-    return BiasPromptSet("colour", reference, groups, seeds)
+def bias_sets(domain: Domain, attributes: Sequence[str] | None, seed: int) -> list[BiasPromptSet]:
+    """The bias prompt sets of ``attributes`` (null: the domain's own, e.g. colour on the tiny world)."""
+    chosen = domain.bias_attributes if attributes is None else attributes
+    return [domain.bias_prompt_set(a, seed=seed) for a in chosen]
 
 
-def bias_sets(domain_name: str, attributes: Sequence[str] | None, seed: int) -> list[BiasPromptSet]:
-    if attributes is None:
-        attributes = ["colour"] if domain_name in TINYWORLD_DOMAINS else ["gender", "ethnicity"]
-    return [tinyworld_colour_bias_set(seed=seed) if a == "colour" else bias_prompt_set(a, seed=seed)
-            for a in attributes]
+def judged_in_feature_space(domain: Domain, judge: Any) -> bool:
+    """A domain that renders its own references (the tiny world) is compared in its judge's
+    feature space, where no Inception or CLIP weights exist."""
+    return bool(domain.reference_name) and hasattr(judge, "features")
 
 
 def render_groups(generator: CachedGenerator, bias_set: BiasPromptSet, images_per_prompt: int,
@@ -60,12 +56,12 @@ def render_groups(generator: CachedGenerator, bias_set: BiasPromptSet, images_pe
     return out
 
 
-def similarities(domain_name: str, judge: Any, notes: list[str]) -> list[Any]:
+def similarities(domain: Domain, judge: Any, notes: list[str]) -> list[Any]:
     """SSIM plus an embedding cosine: the tiny-world judge's features, or CLIP."""
     from emma.errors import WeightsUnavailableError
 
     sims: list[Any] = [SSIMSimilarity()]
-    if domain_name in TINYWORLD_DOMAINS and hasattr(judge, "features"):
+    if judged_in_feature_space(domain, judge):
         sims.append(CLIPSimilarity(judge.features, name="features"))
         return sims
     try:
@@ -126,24 +122,23 @@ def bias_sample_lines(images: dict[str, dict[str, torch.Tensor]], sets: Sequence
     return lines
 
 
-def tinyworld_reference(judge: Any, concepts: Sequence[str], n_ref: int, seed: int,
-                        cache_root: str | Path) -> Any:
-    """Statistics, in the judge's feature space, of scenes rendered with the suite's own
-    prompt mix: scene ``i`` draws colour, style, position and background from
-    ``sample_specs(n, seed)`` and takes its shape (or style) from suite image
-    ``i mod len(concepts)``; ``n`` is the smallest multiple of the suite size >= ``n_ref``.
-    A faithful model therefore scores near the floor, and erasing a shape shows as a rise.
-    Cached under the cell's cache root by (judge, renderer version, concepts, n, seed)."""
-    import dataclasses
-
+def rendered_reference(domain: Domain, judge: Any, concepts: Sequence[str], n_ref: int, seed: int,
+                       cache_root: str | Path) -> Any:
+    """Statistics, in the judge's feature space, of references the domain renders with the
+    suite's own prompt mix: reference ``i`` takes its concept from suite image
+    ``i mod len(concepts)`` (:meth:`~emma.api.domain.Domain.reference_images`); ``n`` is the
+    smallest multiple of the suite size >= ``n_ref``. A faithful model therefore scores near
+    the floor, and erasing a concept shows as a rise. Cached under the cell's cache root by
+    (judge, renderer version, concepts, n, seed)."""
     from emma.cache import stable_hash
     from emma.metrics.fid import ReferenceStatistics, reference_statistics_path
 
     concepts = list(concepts)
     n = len(concepts) * -(-int(n_ref) // len(concepts))
-    key = stable_hash({"judge": judge.cache_key(), "world": world.WORLD_VERSION, "n": n, "seed": seed,
+    name = f"{domain.reference_name}-suite-mix"
+    key = stable_hash({"judge": judge.cache_key(), "world": domain.reference_version(), "n": n, "seed": seed,
                        "concepts": concepts})
-    path = reference_statistics_path(f"tinyworld-suite-mix-{key[:16]}", "tinyworld-judge-features", cache_root)
+    path = reference_statistics_path(f"{name}-{key[:16]}", f"{domain.reference_name}-judge-features", cache_root)
     if path.exists():
         from emma.cache import quarantine
         from emma.metrics.fid import DamagedStatisticsError
@@ -152,23 +147,15 @@ def tinyworld_reference(judge: Any, concepts: Sequence[str], n_ref: int, seed: i
             return ReferenceStatistics.load(path, require_checksum=True, key=key)
         except DamagedStatisticsError as err:  # rendered references: recompute them
             quarantine(path, cache_root, "fid_statistics", err.reason)
-    specs = []
-    for i, spec in enumerate(world.sample_specs(n, seed)):
-        c = concepts[i % len(concepts)]
-        if c in world.SHAPES:
-            spec = dataclasses.replace(spec, shape=c)
-        elif c in world.STYLES:
-            spec = dataclasses.replace(spec, style=c)
-        specs.append(spec)
-    refs = torch.from_numpy(world.render_batch(specs))
-    stats = ReferenceStatistics.from_features(judge.features(refs).double().numpy(), name="tinyworld-suite-mix",
-                                              extractor=f"tinyworld-judge-features:{judge.cache_key()}")
+    refs = domain.reference_images([concepts[i % len(concepts)] for i in range(n)], n, seed)
+    stats = ReferenceStatistics.from_features(judge.features(refs).double().numpy(), name=name,
+                                              extractor=f"{domain.reference_name}-judge-features:{judge.cache_key()}")
     stats.key = key
     stats.save(path)
     return stats
 
 
-def fid_metric(domain_name: str, images: torch.Tensor, clusters: Sequence[Any], concepts: Sequence[str],
+def fid_metric(domain: Domain, images: torch.Tensor, clusters: Sequence[Any], concepts: Sequence[str],
                judge: Any, cfg: Any, notes: list[str], cache_root: str | Path, seed: int = 0,
                ) -> tuple[MetricValue | None, dict[str, Any]]:
     """FID of ``images`` (one cluster id per image: its prompt) with a cluster-bootstrap
@@ -178,8 +165,8 @@ def fid_metric(domain_name: str, images: torch.Tensor, clusters: Sequence[Any], 
     from emma.metrics.fid import CleanFIDInception, ReferenceUnavailableError, fid_with_interval, reference_statistics
 
     n_boot = int(cfg.get("n_bootstrap", 200))
-    if domain_name in TINYWORLD_DOMAINS and hasattr(judge, "features"):
-        ref = tinyworld_reference(judge, concepts, int(cfg.n_ref), int(cfg.reference_seed), cache_root)
+    if judged_in_feature_space(domain, judge):
+        ref = rendered_reference(domain, judge, concepts, int(cfg.n_ref), int(cfg.reference_seed), cache_root)
         feats = judge.features(images).double().numpy()
     else:
         try:

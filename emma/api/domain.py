@@ -98,6 +98,33 @@ class Domain:
         self.default_concept = default_concept or next(iter(self.concepts), None)
         self.extra = dict(extra)
 
+    # --- quality stages (FID, bias): what the domain offers them ------------------------------
+
+    #: Bias attributes measured when ``metrics.bias.attributes`` is null (EMMA's people sets).
+    bias_attributes: ClassVar[tuple[str, ...]] = ("gender", "ethnicity")
+
+    def bias_prompt_set(self, attribute: str, seed: int = 0) -> Any:
+        """The :class:`~emma.datasets.bias.BiasPromptSet` of ``attribute`` (EMMA's person
+        templates; a domain with its own attributes overrides this)."""
+        from emma.datasets.bias import bias_prompt_set
+
+        return bias_prompt_set(attribute, seed=seed)
+
+    def reference_images(self, concepts: Sequence[str], n: int, seed: int) -> Any:
+        """``n`` reference images (float ``[n, 3, H, W]`` in [0, 1], like generated images)
+        drawn with the suite's prompt mix ``concepts``, for a domain that can render its own
+        ground truth; ``None`` (the default) means the configured reference statistics (COCO)
+        and Inception/CLIP features. A domain that renders references is judged in its classifier's feature space (the
+        judge's ``features``) for FID and bias similarity."""
+        return None
+
+    #: Names the rendered reference in results (``<reference_name>-suite-mix``).
+    reference_name: ClassVar[str] = ""
+
+    def reference_version(self) -> str:
+        """Changes whenever :meth:`reference_images` would draw other images."""
+        return ""
+
     def concept(self, name: str) -> Concept:
         """Look up a concept by name or alias (case-insensitive); clear error if unknown."""
         if name in self.concepts:

@@ -117,6 +117,50 @@ class TinyWorldStyleSuite(PromptSuite):
                 "prefixes_per_category": self.prefixes_per_category}
 
 
+class TinyWorldDomain(Domain):
+    """A tiny-world domain: its bias attribute is *colour* (it has no people), and it renders
+    its own reference scenes, judged in the tiny-world classifier's feature space."""
+
+    bias_attributes = ("colour",)
+
+    def bias_prompt_set(self, attribute: str, seed: int = 0) -> Any:
+        if attribute == "colour":
+            return colour_bias_set(seed=seed)
+        return super().bias_prompt_set(attribute, seed=seed)
+
+    def reference_images(self, concepts: Sequence[str], n: int, seed: int) -> Any:
+        """Scene ``i`` draws colour, style, position and background from
+        ``world.sample_specs(n, seed)`` and takes its shape (or style) from ``concepts[i]``."""
+        import dataclasses
+
+        import torch
+
+        specs = []
+        for c, spec in zip(concepts, world.sample_specs(n, seed)):
+            if c in world.SHAPES:
+                spec = dataclasses.replace(spec, shape=c)
+            elif c in world.STYLES:
+                spec = dataclasses.replace(spec, style=c)
+            specs.append(spec)
+        return torch.from_numpy(world.render_batch(specs))
+
+    reference_name = "tinyworld"
+
+    def reference_version(self) -> str:
+        return str(world.WORLD_VERSION)
+
+
+def colour_bias_set(reference: str = "red", compared: Sequence[str] = ("blue",), seed: int = 0) -> Any:
+    """Neutral "an image of a <shape>" vs coloured versions, over the 8 shapes."""
+    from emma.datasets.bias import SEED_STRIDE, BiasPromptSet
+
+    groups = {"neutral": tuple(world.with_template("an image of a {x}", s) for s in world.SHAPES)}
+    for colour in (reference, *compared):
+        groups[colour] = tuple(world.with_template("an image of a {x}", f"{colour} {s}") for s in world.SHAPES)
+    seeds = tuple(seed + i * SEED_STRIDE for i in range(len(world.SHAPES)))
+    return BiasPromptSet("colour", reference, groups, seeds)
+
+
 def tinyworld_domain(
     name: str = "tinyworld",
     version: str = "1",
@@ -142,7 +186,7 @@ def tinyworld_domain(
         from emma.errors import UnknownChoiceError
 
         raise UnknownChoiceError("tiny-world domain kind", kind, ("shape", "style"))
-    return Domain(
+    return TinyWorldDomain(
         name=name, version=version, concepts=concepts, suite=suite,
         template=template, prefixes=world.PREFIXES, similar=similar,
         n_random=n_random, classifier=classifier, images_per_prompt=images_per_prompt,
