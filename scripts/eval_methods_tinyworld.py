@@ -104,10 +104,10 @@ def grid_prompts(concept: str) -> list[str]:
     return [f"an image of a {c}" for c in [concept] * 4 + [others[0]] * 2 + [others[1]] * 2]
 
 
-@torch.no_grad()
 def sample_row(method: str, concept: str, cache_dir: str | Path, seed: int = 0) -> torch.Tensor:
     """One grid row (grid_prompts, seeds 0..7) drawn by the model ``method`` erases ``concept``
-    from (the erased model comes from the cache the evaluation filled)."""
+    from (the erased model comes from the cache the evaluation filled; a missing or stale entry
+    is erased again, with gradients on, since the training methods need them)."""
     import hydra
 
     from emma.erase import erase_cached
@@ -119,8 +119,10 @@ def sample_row(method: str, concept: str, cache_dir: str | Path, seed: int = 0) 
                  base_fingerprint=fingerprint(pipe), domain=cfg.domain.name, seed=seed)
     prompts = grid_prompts(concept)
     gens = [torch.Generator("cpu").manual_seed(i) for i in range(len(prompts))]
-    images = pipe(prompts, generator=gens, output_type="pt", num_inference_steps=cfg.model.num_inference_steps,
-                  guidance_scale=cfg.model.guidance_scale, height=cfg.model.height, width=cfg.model.width).images
+    with torch.no_grad():
+        images = pipe(prompts, generator=gens, output_type="pt", num_inference_steps=cfg.model.num_inference_steps,
+                      guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,
+                      width=cfg.model.width).images
     return torch.cat(list(images.float().cpu()), dim=2)
 
 
