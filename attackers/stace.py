@@ -11,6 +11,7 @@ images) and reports STACE's metrics (``stace/sir_h`` ...; ``asr`` = SIR_H) throu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -27,6 +28,7 @@ from stace.library import Library
 from stace.loop import STACE, STACESettings
 from stace.report import write_report
 from stace.sandbox import SandboxLimits
+from stace.tools import TOOL_ATTACKERS, ProbeTools, attacker_factory
 
 ROLES = ("task_verification", "hypothesis", "critic", "query", "code", "experience", "report", "papercard")
 
@@ -60,6 +62,9 @@ class STACEAttacker(Attacker):
         budget: ``{max_usd, max_tokens}``; the run stops cleanly with a partial report.
         sandbox: limits of the code sandbox (:class:`stace.sandbox.SandboxLimits`).
         prompts_dir: a folder of prompt templates replacing ``stace/prompts``.
+        tools: the project's attackers a probe program may run (``probe.attack``): name ->
+            overrides of its config (``conf/attacker/<name>.yaml`` and the cell's preset).
+        tool_scale: the preset scale of those attackers (``None``: the cell's, else ``sd``).
     """
 
     name = "stace"
@@ -73,7 +78,8 @@ class STACEAttacker(Attacker):
                  roles: Mapping[str, Mapping[str, Any]] | None = None,
                  prices: Mapping[str, Sequence[float]] | None = None,
                  budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
-                 prompts_dir: str | None = None) -> None:
+                 prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
+                 tool_scale: str | None = None) -> None:
         llm_cfg = dict(_plain(llm) or {})
         presets = dict(_plain(presets) or {})
         if preset not in presets:
@@ -106,6 +112,11 @@ class STACEAttacker(Attacker):
         self.prices = {m: list(v) for m, v in dict(_plain(prices) or {}).items()}
         self.budget = dict(_plain(budget) or {})
         self.prompts_dir = Path(prompts_dir) if prompts_dir else None
+        self.tools = {str(n): dict(o or {}) for n, o in dict(_plain(tools) or {}).items()}
+        for name in self.tools:
+            if name not in TOOL_ATTACKERS:
+                raise UnknownChoiceError("STACE tool attacker", name, TOOL_ATTACKERS, "attacker.tools")
+        self.tool_scale = tool_scale
         self.output_dir: Path | None = None
         self.cache_dir: Path | None = None
         self.cell_info: dict[str, Any] = {}
@@ -119,7 +130,7 @@ class STACEAttacker(Attacker):
     def config(self) -> dict[str, Any]:
         return {**super().config(), "backend": self.backend.config(), "preset": self.preset,
                 "roles": {r: dataclasses.asdict(s) for r, s in self.roles.items()},
-                "settings": dataclasses.asdict(self.settings), "budget": self.budget}
+                "settings": dataclasses.asdict(self.settings), "budget": self.budget, "tools": self.tools}
 
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         concept = requests[0].concept
@@ -138,7 +149,10 @@ class STACEAttacker(Attacker):
         trace.write("start", concept=concept, settings=dataclasses.asdict(self.settings),
                     roles={r: dataclasses.asdict(s) for r, s in self.roles.items()},
                     backend=self.backend.config())
-        run = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images")
+        tools = ProbeTools(target, concept, requests[0].prompt, self._tool_factories(),
+                           attack_cache=cache if self.cache_dir else None)
+        run = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images",
+                    tools=tools)
         outcome = run.run()
         values = outcome.metrics(self.settings.k)
         n_success = sum(r.success for r in outcome.records)
@@ -169,6 +183,15 @@ class STACEAttacker(Attacker):
                      cost_usd=cost, redact=redact)
         trace.write("finished", metrics={k_: dataclasses.asdict(v) for k_, v in m.items()})
         return [self._output(r, concept) for r in outcome.records]
+
+    def _tool_factories(self) -> dict[str, Any]:
+        scale = self.tool_scale
+        if scale is None:
+            from emma.cell import preset_choices
+
+            scale = preset_choices().get("scale") or "sd"
+        return {name: functools.partial(attacker_factory, name, scale, overrides)
+                for name, overrides in self.tools.items()}
 
     def _output(self, rec: Any, concept: str) -> AttackOutput:
         h = rec.hypothesis or {}

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 CHILD = Path(__file__).resolve().parent / "sandbox_child.py"
+MAX_REQUEST_CHARS = 64 * 1024 * 1024  # one probe-API request (ten SD prompt embeddings are ~12 MB)
 _UNSHARE: list[str] | None = None
 
 
@@ -118,7 +119,9 @@ def run_sandboxed(code: str, handle: Callable[[str, dict[str, Any]], Any],
     """Run ``code`` in the sandbox; answer its probe-API calls with ``handle(op, args)``.
 
     ``handle`` runs in the harness; an exception it raises is sent back to the program as a
-    failed call (the program may catch it), never raised here.
+    failed call (the program may catch it), never raised here. The wall-clock limit counts
+    the program's own time: time the harness spends answering calls (an attacker run, say)
+    is not charged to it; the program waits blocked meanwhile.
     """
     limits = limits or SandboxLimits()
     workdir = Path(tempfile.mkdtemp(prefix="stace-sandbox-"))
@@ -130,6 +133,7 @@ def run_sandboxed(code: str, handle: Callable[[str, dict[str, Any]], Any],
     cmd = prefix + [sys.executable, "-I", "-S", str(CHILD), str(workdir), str(req_w), str(resp_r)]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)}
     t0 = time.monotonic()
+    serving = 0.0  # seconds spent in handle()
     error: str | None = None
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=workdir,
@@ -140,9 +144,10 @@ def run_sandboxed(code: str, handle: Callable[[str, dict[str, Any]], Any],
     reader = os.fdopen(req_r, "r")
     writer = os.fdopen(resp_w, "w", buffering=1)
     try:
-        buf = ""
+        parts: list[str] = []  # the unfinished request line, in pieces
+        size = 0
         while True:
-            remaining = limits.wall_s - (time.monotonic() - t0)
+            remaining = limits.wall_s - (time.monotonic() - t0 - serving)
             if remaining <= 0:
                 error = f"wall-clock limit of {limits.wall_s:g} s exceeded"
                 break
@@ -154,14 +159,24 @@ def run_sandboxed(code: str, handle: Callable[[str, dict[str, Any]], Any],
             chunk = os.read(reader.fileno(), 65536).decode("utf-8", "replace")
             if not chunk:  # the child closed its end: it has exited (or is exiting)
                 break
-            buf += chunk
-            while "\n" in buf:
-                line, buf = buf.split("\n", 1)
-                writer.write(json.dumps(_answer(handle, line)) + "\n")
+            if "\n" not in chunk:  # part of a long request
+                parts.append(chunk)
+                size += len(chunk)
+                if size > MAX_REQUEST_CHARS:
+                    error = f"a probe request exceeded {MAX_REQUEST_CHARS // 2 ** 20} MB"
+                    break
+                continue
+            lines = ("".join(parts) + chunk).split("\n")  # the program sends ASCII JSON lines
+            parts, size = [lines[-1]], len(lines[-1])
+            for line in lines[:-1]:
+                t_call = time.monotonic()
+                answer = json.dumps(_answer(handle, line))
+                serving += time.monotonic() - t_call
+                writer.write(answer + "\n")
                 writer.flush()
         if error is None:
             try:
-                proc.wait(timeout=max(0.1, limits.wall_s - (time.monotonic() - t0)))
+                proc.wait(timeout=max(0.1, limits.wall_s - (time.monotonic() - t0 - serving)))
             except subprocess.TimeoutExpired:
                 error = f"wall-clock limit of {limits.wall_s:g} s exceeded"
     except BrokenPipeError:

@@ -12,6 +12,14 @@ The probe API (what the Code Synthesiser is told)::
     probe.generate(prompts, seeds=None, negative_prompt=None, guidance_scale=None,
                    num_inference_steps=None) -> list[int]   # image ids; renders len(prompts) images
     probe.tokenize(text) -> list[str]                        # the text encoder's tokens
+    probe.token_ids(text) -> list[int]                       # their ids (start/end tokens included)
+    probe.encode(text) -> list[list[float]]                  # prompt embedding (L x D)
+    probe.nearest_tokens(text, n=10) -> list[[str, float]]   # vocabulary neighbours, cosine
+    probe.generate_embeds(embeds, seeds=None, negative_prompt=None, guidance_scale=None,
+                          num_inference_steps=None, label=None) -> list[int]
+    probe.attack(attacker, prompt=None, seed=None) -> dict   # one of the harness's attackers
+
+docs/stace.md documents each call.
 """
 
 from __future__ import annotations
@@ -100,6 +108,28 @@ class Probe:
 
     def tokenize(self, text: str) -> list:
         return self._call("tokenize", text=text)  # type: ignore[return-value]
+
+    def token_ids(self, text: str) -> list:
+        return self._call("token_ids", text=text)  # type: ignore[return-value]
+
+    def encode(self, text: str) -> list:
+        return self._call("encode", text=text)  # type: ignore[return-value]
+
+    def nearest_tokens(self, text: str, n: int = 10) -> list:
+        return self._call("nearest_tokens", text=text, n=n)  # type: ignore[return-value]
+
+    def generate_embeds(self, embeds, seeds=None, negative_prompt=None, guidance_scale=None,
+                        num_inference_steps=None, label=None) -> list:
+        # one L x D embedding, or a list of them (one image each)
+        if embeds and embeds[0] and not isinstance(embeds[0][0], (list, tuple)):
+            embeds = [embeds]
+        embeds = [[[float(x) for x in row] for row in e] for e in embeds]
+        return self._call("generate_embeds", embeds=embeds, seeds=None if seeds is None else list(seeds),
+                          negative_prompt=negative_prompt, guidance_scale=guidance_scale,
+                          num_inference_steps=num_inference_steps, label=label)  # type: ignore[return-value]
+
+    def attack(self, attacker: str, prompt=None, seed=None) -> dict:
+        return self._call("attack", attacker=attacker, prompt=prompt, seed=seed)  # type: ignore[return-value]
 
 
 def main() -> int:

@@ -102,3 +102,23 @@ def test_a_failing_probe_api_call_reaches_the_program_not_the_harness():
     code = "try:\n    probe.generate(['x'])\nexcept RuntimeError as e:\n    print('caught', e)"
     r = run_sandboxed(code, handle, LIMITS)
     assert r.ok and "caught probe.generate failed: ValueError: only 0 of the k=0" in r.stdout
+
+
+def test_time_the_harness_spends_answering_is_not_charged_to_the_program():
+    def handle(op, args):  # e.g. an attacker run: longer than the program's whole wall limit
+        time.sleep(3.0)
+        return {"k": 1}
+
+    r = run_sandboxed("print(probe.info()['k'])", handle, SandboxLimits(cpu_s=3, wall_s=2, memory_mb=256))
+    assert r.ok and r.stdout.strip() == "1", r.error
+    assert r.wall_s >= 3.0
+
+
+def test_an_oversized_request_is_stopped(monkeypatch):
+    import stace.sandbox as sb
+
+    monkeypatch.setattr(sb, "MAX_REQUEST_CHARS", 1_000_000)
+    code = "import os\nfor _ in range(100):\n    probe._out.write('x' * 100_000)\nprobe._out.flush()\nprobe.info()"
+    r = run_sandboxed(code, _no_api, LIMITS)
+    assert not r.ok and "probe request exceeded" in r.error
+    assert not _alive(r.pid)
