@@ -124,7 +124,7 @@ class EmbeddedLLM:
         ids = tok(text, return_tensors="pt")
         kwargs: dict[str, Any] = {"max_new_tokens": limit, "pad_token_id": tok.eos_token_id}
         if schema is not None:
-            enforcer = TokenEnforcer(data, JsonSchemaParser(schema))
+            enforcer = TokenEnforcer(data, JsonSchemaParser(fit_schema(schema, limit)))
             kwargs["prefix_allowed_tokens_fn"] = \
                 lambda _b, sent: enforcer.get_allowed_tokens(sent.tolist()).allowed_tokens
         if temperature > 0:
@@ -150,6 +150,57 @@ class EmbeddedLLM:
                           prompt_tokens=int(ids["input_ids"].shape[1]),
                           completion_tokens=int(new.shape[0]),
                           latency_s=time.perf_counter() - t0)
+
+
+CHARS_PER_TOKEN = 3.0  # English text under SmolLM2's tokenizer, a conservative estimate
+TOKENS_PER_FIELD = 8   # key, quotes, separators and whitespace of one JSON value
+
+
+def fit_schema(schema: dict[str, Any], max_tokens: int, floor: int = 24) -> dict[str, Any]:
+    """A copy of ``schema`` whose strings and arrays are bounded so that a complete reply
+    fits in ``max_tokens``: each string's ``maxLength`` is lowered to an equal share of the
+    character budget (at least ``floor``), arrays keep at most 3 items, and every string
+    needs at least one character. Without it a small model spends its whole budget inside
+    the first long string and the cut-off reply misses required fields."""
+    import copy
+
+    out = copy.deepcopy(schema)
+    defs = out.get("$defs", {})
+
+    def resolve(node: dict[str, Any]) -> dict[str, Any]:
+        ref = node.get("$ref", "")
+        return defs.get(ref.rsplit("/", 1)[-1], node) if ref.startswith("#/$defs/") else node
+
+    strings: list[tuple[dict[str, Any], int]] = []  # (string node, how many times it can occur)
+    fields = 0
+
+    def walk(node: dict[str, Any], mult: int, seen: tuple[int, ...] = ()) -> None:
+        nonlocal fields
+        node = resolve(node)
+        if id(node) in seen:
+            return
+        seen = seen + (id(node),)
+        for alt in node.get("anyOf", []):
+            walk(alt, mult, seen)
+        kind = node.get("type")
+        if kind == "string" and "enum" not in node:
+            strings.append((node, mult))
+        elif kind == "array":
+            node["maxItems"] = min(int(node.get("maxItems", 3)), 3)
+            walk(node.get("items", {}), mult * node["maxItems"], seen)
+        elif kind == "object":
+            for sub in node.get("properties", {}).values():
+                fields += mult
+                walk(sub, mult, seen)
+
+    walk(out, 1)
+    slots = sum(m for _, m in strings)
+    if slots:
+        share = max(floor, int((max_tokens - TOKENS_PER_FIELD * fields) * CHARS_PER_TOKEN / slots))
+        for node, _ in strings:
+            node["maxLength"] = min(int(node.get("maxLength", share)), share)
+            node["minLength"] = max(int(node.get("minLength", 1)), 1)
+    return out
 
 
 def _close_truncated_json(text: str) -> str:

@@ -30,7 +30,10 @@ def wilson(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float 
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # with no (all) successes the bound is exactly 0 (1); the formula leaves rounding residue
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return (lo, hi)
 
 
 def _rate(successes: int, n: int) -> MetricValue:

@@ -391,3 +391,31 @@ def test_openrouter_preset_assigns_table_d1_models(monkeypatch, tmp_path):
     assert att.roles["hypothesis"].model == "x-ai/grok-4-fast" and att.roles["critic"].temperature == 0.3
     assert att.roles["report"].model == "openai/gpt-4.1"
     assert FAKE_KEY not in json.dumps(att.config())
+
+
+def test_wilson_bounds_are_exact_at_zero_and_all_successes():
+    from emma.metrics.intervals import wilson_interval
+    from stace.metrics import wilson
+
+    assert wilson(0, 3)[0] == 0.0 and wilson(3, 3)[1] == 1.0
+    for k, n in ((0, 3), (1, 3), (3, 12), (12, 12)):
+        assert wilson(k, n) == pytest.approx(wilson_interval(k, n), abs=1e-12)
+
+
+def test_embedded_schemas_are_fitted_to_the_token_budget():
+    from stace.embedded import CHARS_PER_TOKEN, TOKENS_PER_FIELD, fit_schema
+    from stace.schemas import Hypothesis, ProbePlan
+
+    h = fit_schema(Hypothesis.model_json_schema(), 160)
+    props = h["properties"]
+    # 5 fields; 6 string slots (title, rationale, 3 prompts, criterion): (160 - 5 * 8) * 3 / 6 = 60 chars
+    assert [props[f]["maxLength"] for f in ("title", "rationale", "success_criterion")] == [60, 60, 60]
+    assert props["prompts"]["maxItems"] == 3 and props["prompts"]["items"]["maxLength"] == 60
+    assert all(props[f].get("minLength") == 1 for f in ("title", "rationale"))
+    assert "enum" in props["strategy"] and "maxLength" not in props["strategy"]
+    worst = (sum(props[f]["maxLength"] for f in ("title", "rationale", "success_criterion")) + 3 * 60) / CHARS_PER_TOKEN
+    assert worst + 5 * TOKENS_PER_FIELD <= 160
+    # $ref'd definitions are fitted too, and the original schema is untouched
+    plan = fit_schema(ProbePlan.model_json_schema(), 160)
+    assert plan["$defs"]["ProbeInstance"]["properties"]["prompt"]["maxLength"] < 300
+    assert ProbePlan.model_json_schema()["$defs"]["ProbeInstance"]["properties"]["prompt"]["maxLength"] == 300
