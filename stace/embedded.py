@@ -159,9 +159,10 @@ TOKENS_PER_FIELD = 8   # key, quotes, separators and whitespace of one JSON valu
 def fit_schema(schema: dict[str, Any], max_tokens: int, floor: int = 24) -> dict[str, Any]:
     """A copy of ``schema`` whose strings and arrays are bounded so that a complete reply
     fits in ``max_tokens``: each string's ``maxLength`` is lowered to an equal share of the
-    character budget (at least ``floor``), arrays keep at most 3 items, and every string
-    needs at least one character. Without it a small model spends its whole budget inside
-    the first long string and the cut-off reply misses required fields."""
+    character budget (at least ``floor``), arrays keep at most 3 items, every string needs
+    at least one character, and a small integer range (a 1-5 score) becomes an enum.
+    Without it a small model spends its whole budget inside the first long string and the
+    cut-off reply misses required fields."""
     import copy
 
     out = copy.deepcopy(schema)
@@ -183,7 +184,10 @@ def fit_schema(schema: dict[str, Any], max_tokens: int, floor: int = 24) -> dict
         for alt in node.get("anyOf", []):
             walk(alt, mult, seen)
         kind = node.get("type")
-        if kind == "string" and "enum" not in node:
+        if kind == "integer" and "enum" not in node and 0 <= node.get("maximum", 99) - node.get("minimum", 0) <= 10:
+            # the enforcer checks an integer's digits, not its range: list the valid values
+            node["enum"] = list(range(int(node["minimum"]), int(node["maximum"]) + 1))
+        elif kind == "string" and "enum" not in node and "const" not in node:
             strings.append((node, mult))
         elif kind == "array":
             node["maxItems"] = min(int(node.get("maxItems", 3)), 3)

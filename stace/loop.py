@@ -12,9 +12,10 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
+from pydantic import create_model
 from tqdm.auto import tqdm
 
 from stace import metrics as M
@@ -373,11 +374,14 @@ class STACE:
             if spec.evaluator not in evaluators:
                 raise ValueError(f"evaluator must be one of {evaluators}")
 
+        # the evaluators offered become the schema's enum (constrained decoders then pick one)
+        offered = create_model("TaskSpec", __base__=TaskSpec,
+                               evaluator=(Literal.__getitem__(tuple(evaluators)), ...))
         spec = self.gw.ask("task_verification", "task_verification", {
             "request": request, "model_name": self.context.get("model", "unknown"),
             "method_name": self.context.get("method", "unknown"),
             "concepts": self.context.get("concepts", [self.concept]), "evaluators": evaluators},
-            TaskSpec, check)
+            offered, check)
         # The evaluator comes from the TaskSpec; without a usable one, the domain's judge.
         evaluator = spec.evaluator if spec is not None else evaluators[0]
         data = spec.model_dump() if spec is not None else None

@@ -419,3 +419,5 @@ def test_embedded_schemas_are_fitted_to_the_token_budget():
     plan = fit_schema(ProbePlan.model_json_schema(), 160)
     assert plan["$defs"]["ProbeInstance"]["properties"]["prompt"]["maxLength"] < 300
     assert ProbePlan.model_json_schema()["$defs"]["ProbeInstance"]["properties"]["prompt"]["maxLength"] == 300
+    crit = fit_schema(__import__("stace.schemas").schemas.Critique.model_json_schema(), 160)
+    assert crit["properties"]["novelty"]["enum"] == [1, 2, 3, 4, 5]  # the enforcer checks digits, not ranges
