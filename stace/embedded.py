@@ -113,7 +113,7 @@ class EmbeddedLLM:
                  temperature: float | None = None, max_tokens: int | None = None,
                  seed: int | None = None, schema: dict[str, Any] | None = None) -> ChatResult:
         import torch
-        from lmformatenforcer import JsonSchemaParser
+        from lmformatenforcer import CharacterLevelParserConfig, JsonSchemaParser
         from lmformatenforcer.tokenenforcer import TokenEnforcer
 
         tok, lm, data = _load(self.package)
@@ -124,7 +124,11 @@ class EmbeddedLLM:
         ids = tok(text, return_tensors="pt")
         kwargs: dict[str, Any] = {"max_new_tokens": limit, "pad_token_id": tok.eos_token_id}
         if schema is not None:
-            enforcer = TokenEnforcer(data, JsonSchemaParser(fit_schema(schema, limit)))
+            # at most one whitespace between JSON tokens: a small model otherwise pads its
+            # reply with newlines and spaces that the budget below does not count
+            parser = JsonSchemaParser(fit_schema(schema, limit),
+                                      config=CharacterLevelParserConfig(max_consecutive_whitespaces=1))
+            enforcer = TokenEnforcer(data, parser)
             kwargs["prefix_allowed_tokens_fn"] = \
                 lambda _b, sent: enforcer.get_allowed_tokens(sent.tolist()).allowed_tokens
         if temperature > 0:
@@ -152,7 +156,7 @@ class EmbeddedLLM:
                           latency_s=time.perf_counter() - t0)
 
 
-CHARS_PER_TOKEN = 3.0  # English text under SmolLM2's tokenizer, a conservative estimate
+CHARS_PER_TOKEN = 2.5  # text a small model writes (words, numbers, punctuation): a conservative estimate
 TOKENS_PER_FIELD = 8   # key, quotes, separators and whitespace of one JSON value
 
 

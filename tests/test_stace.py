@@ -408,12 +408,12 @@ def test_embedded_schemas_are_fitted_to_the_token_budget():
 
     h = fit_schema(Hypothesis.model_json_schema(), 160)
     props = h["properties"]
-    # 5 fields; 6 string slots (title, rationale, 3 prompts, criterion): (160 - 5 * 8) * 3 / 6 = 60 chars
-    assert [props[f]["maxLength"] for f in ("title", "rationale", "success_criterion")] == [60, 60, 60]
-    assert props["prompts"]["maxItems"] == 3 and props["prompts"]["items"]["maxLength"] == 60
+    # 5 fields; 6 string slots (title, rationale, 3 prompts, criterion): (160 - 5 * 8) * 2.5 / 6 = 50 chars
+    assert [props[f]["maxLength"] for f in ("title", "rationale", "success_criterion")] == [50, 50, 50]
+    assert props["prompts"]["maxItems"] == 3 and props["prompts"]["items"]["maxLength"] == 50
     assert all(props[f].get("minLength") == 1 for f in ("title", "rationale"))
     assert "enum" in props["strategy"] and "maxLength" not in props["strategy"]
-    worst = (sum(props[f]["maxLength"] for f in ("title", "rationale", "success_criterion")) + 3 * 60) / CHARS_PER_TOKEN
+    worst = (sum(props[f]["maxLength"] for f in ("title", "rationale", "success_criterion")) + 3 * 50) / CHARS_PER_TOKEN
     assert worst + 5 * TOKENS_PER_FIELD <= 160
     # $ref'd definitions are fitted too, and the original schema is untouched
     plan = fit_schema(ProbePlan.model_json_schema(), 160)
