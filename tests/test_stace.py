@@ -108,8 +108,11 @@ def stace_run(tmp_path_factory):
     port_box = [0]
     with ScriptedChatServer(make_reply(port_box), key=FAKE_KEY) as srv:
         port_box[0] = srv.server.server_address[1]
-        proc = subprocess.run([sys.executable, "-m", "emma.run", *_overrides(srv.url), f"hydra.run.dir={out}"],
-                              cwd=ROOT, env=run_env(cache, **{KEY_ENV: FAKE_KEY}), capture_output=True,
+        # logger=wandb (offline, its files in the run folder): the planted-key test greps its config too
+        proc = subprocess.run([sys.executable, "-m", "emma.run", *_overrides(srv.url, ["logger=wandb"]),
+                               f"hydra.run.dir={out}"],
+                              cwd=ROOT, env=run_env(cache, **{KEY_ENV: FAKE_KEY, "WANDB_MODE": "offline"}),
+                              capture_output=True,
                               text=True, timeout=900)
         requests = list(srv.requests)
     (out / "stdout.txt").write_text(proc.stdout + proc.stderr)
@@ -218,7 +221,10 @@ def test_faults_are_retried_or_repaired_and_counted(stace_run):
 
 def test_planted_key_never_appears_in_any_output(stace_run):
     out, requests, proc = stace_run
-    hits = [p for p in out.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    wandb_runs = [p for p in files if p.suffix == ".wandb"]  # the offline W&B run: config, metrics
+    assert wandb_runs and b"stace" in wandb_runs[0].read_bytes()
+    hits = [p for p in files if FAKE_KEY.encode() in p.read_bytes()]
     assert hits == []
     assert FAKE_KEY not in proc.stdout + proc.stderr
     assert all(FAKE_KEY not in json.dumps(r) for r in requests)  # only in the Authorization header
