@@ -3,8 +3,9 @@
 The cell erases 'circle' from the tiny world with UCE (closed form, instant; the tiny preset:
 tensor technique, erase scale 10). Measured on that model: the synonyms 'disc', 'orb',
 'ring', 'round blob' draw no circle (seed 0 each), while "an image of a shape" with every
-*other* shape in the negative prompt draws one with each of the seeds 2-5. The scripted run uses those as the hypotheses with
-known outcomes, plus one whose code tries to escape the sandbox.
+*other* shape in the negative prompt draws one with each of the seeds 2-5. The scripted run
+uses those as the hypotheses with known outcomes, plus one whose code tries to escape the
+sandbox.
 """
 
 from __future__ import annotations
