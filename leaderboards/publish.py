@@ -12,7 +12,20 @@ from typing import Any
 
 from emma.evidence import EVIDENCE_DIR, read_evidence
 from emma.loggers import image_grid
-from leaderboards.render import row_dicts
+
+
+def wandb_columns(table: Any) -> list[str]:
+    """Coordinates, then each metric as value, ``_ci_low``, ``_ci_high`` and ``_n`` (as the CSV)."""
+    coords = [c for c in table.columns if c not in table.metric_columns]
+    return coords + [f"{m}{s}" for m in table.metric_columns for s in ("", "_ci_low", "_ci_high", "_n")]
+
+
+def wandb_values(table: Any, row: dict[str, Any]) -> list[Any]:
+    values = [row.get(c) for c in table.columns if c not in table.metric_columns]
+    for m in table.metric_columns:
+        cell = row.get(m) or {}
+        values += [cell.get("value"), cell.get("ci_low"), cell.get("ci_high"), cell.get("n")]
+    return values
 
 
 def publish_wandb(board: Any, project: str = "emma-leaderboard", entity: str | None = None) -> str:
@@ -33,10 +46,10 @@ def publish_wandb(board: Any, project: str = "emma-leaderboard", entity: str | N
                     caption=" | ".join(f"{'+' if e['detected'] else '-'} {e['prompt']}" for e in items[:8]))
         logged: dict[str, Any] = {}
         for t in board.tables:
-            cols = list(t.columns) + (["evidence"] if t.kind != "asr" else [])
+            cols = wandb_columns(t) + (["evidence"] if t.kind != "asr" else [])
             table = wandb.Table(columns=cols)
-            for row, flat in zip(t.rows, row_dicts(t)):
-                values = [flat[c] for c in t.columns]
+            for row in t.rows:
+                values = wandb_values(t, row)
                 if t.kind != "asr":
                     values.append(grids.get(row.get("_anchor")))
                 table.add_data(*values)

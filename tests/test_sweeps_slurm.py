@@ -121,3 +121,46 @@ def test_scancel_mid_sweep_then_rerun_completes_without_recomputing(slurm, tmp_p
     assert again["circle"]["counts"] == first["circle"]["counts"]
     assert again["circle"]["metrics"] == first["circle"]["metrics"]
     assert again["heart"]["counts"]["images"] == 12
+
+
+def _cached_images(cache: Path) -> int:
+    return sum(1 for _ in (cache / "images").rglob("*.png")) if (cache / "images").exists() else 0
+
+
+def test_preempted_job_requeues_itself_and_resumes_from_the_cache(slurm, tmp_path):
+    """Preemption as Slurm delivers it (SIGTERM, then the USR2 that submitit asks for before
+    the kill): the job checkpoints, `scontrol requeue`s itself, runs again and finishes the
+    cell, drawing only the images the first run had not cached."""
+    cache, sweep_dir = tmp_path / "cache", tmp_path / "sweep"
+    # 6 prompts x 40 images: long enough to interrupt after the first batches
+    cell = ["metrics=rates_only", "prompt_types=[name,random]", "images_per_prompt=40", "concept=circle"]
+    cmd = [sys.executable, "-m", "emma.run", "-m", *SLURM, *cell, f"hydra.sweep.dir={sweep_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    job = None
+    deadline = time.time() + 600
+    while job is None and time.time() < deadline and proc.poll() is None:
+        for d in (sweep_dir / ".submitit").glob("*_0") if (sweep_dir / ".submitit").exists() else []:
+            if _squeue_state(d.name) == "RUNNING" and _cached_images(cache) >= 8:
+                # what submitit's SlurmJob._interrupt sends for a preemption
+                subprocess.run(["scancel", d.name, "--signal", "SIGTERM"], check=True)
+                subprocess.run(["scancel", d.name, "--signal", "USR2"], check=True)
+                job = d.name
+                at_signal = _cached_images(cache)
+        time.sleep(0.2)
+    assert job, "job 0 of the sweep never ran"
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-4000:]
+    report = json.loads((sweep_dir / "sweep_report.json").read_text())
+    assert (report["completed"], report["failed"]) == (1, 0)
+    job_log = "".join(p.read_text() for p in (sweep_dir / ".submitit" / job).glob("*_log.*"))
+    assert "this job is preempted" in job_log and f"Requeued job {job}" in job_log, job_log[-3000:]
+
+    (counts,) = [json.loads(p.read_text())["counts"] for p in sweep_dir.glob("*/results.json")]
+    assert counts["images"] == 240
+    # the requeued run reused every image the interrupted run had cached, and the interrupted
+    # run had not finished (each image of the cell is drawn once and cached once)
+    total = _cached_images(cache)
+    assert 8 <= at_signal < total
+    assert counts["images_cached"] >= at_signal
+    assert counts["images_generated"] <= total - at_signal
