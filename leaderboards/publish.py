@@ -1,14 +1,17 @@
 """Publish a built leaderboard to Weights & Biases as ``wandb.Table`` s with images.
 
 Offline (``WANDB_MODE=offline``, the default when no key is configured) the run lands in
-``<out>/wandb/offline-run-*`` for ``wandb sync``; online it needs ``WANDB_API_KEY`` in the
-environment.
+``<out>/wandb/offline-run-*`` for ``wandb sync``, the staged table artifacts (rows with their
+evidence images) in ``<out>/wandb/data`` unless ``WANDB_DATA_DIR`` is set; online it needs
+``WANDB_API_KEY`` in the environment. ``python -m leaderboards.wandb_read`` reads a run back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 from emma.evidence import EVIDENCE_DIR, read_evidence
 from emma.loggers import image_grid
@@ -30,9 +33,28 @@ def wandb_values(table: Any, row: dict[str, Any]) -> list[Any]:
 
 def publish_wandb(board: Any, project: str = "emma-leaderboard", entity: str | None = None) -> str:
     """One W&B run holding every table of ``board``; returns the run's local folder."""
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    if mode == "offline" and not os.environ.get("WANDB_DATA_DIR"):
+        # a table's rows with their images are an artifact, staged until `wandb sync` uploads
+        # it; by default the staging folder is the user's (~/.local/share/wandb): keep it
+        # beside the run so that the offline run folder is complete and can be moved
+        with _env("WANDB_DATA_DIR", str(Path(board.out) / "wandb" / "data")):
+            return _publish(board, project, entity, mode)
+    return _publish(board, project, entity, mode)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def _publish(board: Any, project: str, entity: str | None, mode: str) -> str:
     import wandb
 
-    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     run = wandb.init(project=project, entity=entity, job_type="leaderboard", mode=mode, dir=str(board.out),
                      config={"cells": len(board.cells), "failed": len(board.failed)},
                      settings=wandb.Settings(silent=True, console="off"), reinit="finish_previous")
