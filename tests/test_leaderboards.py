@@ -173,3 +173,25 @@ def test_wandb_publish_offline_holds_tables_and_grids(sweep, tmp_path, monkeypat
     assert row[-1] is not None  # the evidence grid cell
     grids = [k for k in files if k.startswith("files/media/images/evidence/") and k.endswith(".png")]
     assert len(grids) == 1
+
+
+def test_judges_with_different_weights_are_a_clear_error_and_files_stay(sweep, tmp_path, capsys):
+    """Cells judged by classifiers with different weights cannot share a row or a column:
+    the build stops (no --split-versions for judges) and names both weight hashes."""
+    from leaderboards.build import main
+
+    root, _ = sweep
+    cell = next((root / "sweep").glob("0_*"))
+
+    def reweigh(data):
+        for d in data["versions"]["components"]["classifiers"].values():
+            d["weights_sha256"] = "f" * 64
+
+    other = _copy_cell(cell, tmp_path / "other-judge", reweigh)
+    before = (other / "results.json").read_bytes()
+    for extra in ([], ["--split-versions"]):
+        assert main([str(cell), str(other), "--out", str(tmp_path / "board"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "classifier 'tinyworld' appears in 2 different versions" in err and "ffffffffffff" in err
+        assert "build them separately" in err
+    assert (other / "results.json").read_bytes() == before and (cell / "results.json").exists()
