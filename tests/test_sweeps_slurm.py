@@ -137,23 +137,27 @@ def test_preempted_job_requeues_itself_and_resumes_from_the_cache(slurm, tmp_pat
     cmd = [sys.executable, "-m", "emma.run", "-m", *SLURM, *cell, f"hydra.sweep.dir={sweep_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(cache), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    job = None
+    job, job_dir, at_signal = None, None, 0
     deadline = time.time() + 600
     while job is None and time.time() < deadline and proc.poll() is None:
-        for d in (sweep_dir / ".submitit").glob("*_0") if (sweep_dir / ".submitit").exists() else []:
-            if _squeue_state(d.name) == "RUNNING" and _cached_images(cache) >= 8:
+        # one cell is one plain job (no array): .submitit/<job id>/<job id>_0_log.out
+        for out in sweep_dir.glob(".submitit/*/*_0_log.out"):
+            task = out.parent.name
+            if _squeue_state(task) == "RUNNING" and _cached_images(cache) >= 8:
                 # what submitit's SlurmJob._interrupt sends for a preemption
-                subprocess.run(["scancel", d.name, "--signal", "SIGTERM"], check=True)
-                subprocess.run(["scancel", d.name, "--signal", "USR2"], check=True)
-                job = d.name
+                subprocess.run(["scancel", task, "--signal", "SIGTERM"], check=True)
+                subprocess.run(["scancel", task, "--signal", "USR2"], check=True)
+                job, job_dir = task, out.parent
                 at_signal = _cached_images(cache)
         time.sleep(0.2)
-    assert job, "job 0 of the sweep never ran"
+    if job is None:
+        proc.kill()
+        pytest.fail("the sweep's job was never seen running with images cached:\n" + proc.communicate()[0][-3000:])
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-4000:]
     report = json.loads((sweep_dir / "sweep_report.json").read_text())
     assert (report["completed"], report["failed"]) == (1, 0)
-    job_log = "".join(p.read_text() for p in (sweep_dir / ".submitit" / job).glob("*_log.*"))
+    job_log = "".join(p.read_text() for p in job_dir.glob(f"{job}_0_log.*"))
     assert "this job is preempted" in job_log and f"Requeued job {job}" in job_log, job_log[-3000:]
 
     (counts,) = [json.loads(p.read_text())["counts"] for p in sweep_dir.glob("*/results.json")]
