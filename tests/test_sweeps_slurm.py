@@ -153,6 +153,14 @@ def test_preempted_job_requeues_itself_and_resumes_from_the_cache(slurm, tmp_pat
     if job is None:
         proc.kill()
         pytest.fail("the sweep's job was never seen running with images cached:\n" + proc.communicate()[0][-3000:])
+    # Slurm holds a requeued job ~2 minutes (BeginTime); let it start as soon as it is pending
+    for _ in range(600):
+        if _squeue_state(job) == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+            break
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-4000:]
     report = json.loads((sweep_dir / "sweep_report.json").read_text())
