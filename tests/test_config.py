@@ -161,3 +161,13 @@ def test_every_preset_names_a_component_and_only_its_keys(path):
     for key, value in preset.items():
         if key != "defaults" and not OmegaConf.is_interpolation(preset, key):
             assert cfg[group][key] == value, (path.name, key)
+
+
+def test_an_experiment_sets_top_level_values_and_the_command_line_still_wins():
+    """experiment=tinyworld_full sizes its cells (prompt types, images per prompt, threads):
+    config.yaml's own nulls must not reset them; an explicit override beats the experiment."""
+    cfg = cfg_with("experiment=tinyworld_full", "method=esd", "attacker=p4d_n")
+    assert (list(cfg.prompt_types), cfg.images_per_prompt, cfg.threads) == (["name", "variant", "random"], 2, 1)
+    assert cfg.attacker.iterations == 200 and cfg.method.iterations == 200  # tiny presets still apply
+    assert cfg_with("experiment=tinyworld_full", "images_per_prompt=5").images_per_prompt == 5
+    assert cfg_with("method=esd").prompt_types is None
