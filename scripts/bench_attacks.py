@@ -109,7 +109,7 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from emma.attack import CellAttackTarget, LazyBaseModel
+    from emma.attack import CellAttackTarget, LazyBaseModel, domain_prompt_texts
     from emma.cache import ClassifierScoreCache, ImageCache
     from emma.config import register_configs
     from emma.erase import erase_cached
@@ -138,7 +138,8 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
                                          _convert_="all")
     judge = Judge(classifier, ClassifierScoreCache(cache, classifier))
     base = LazyBaseModel(lambda: load_pipeline(cfg.model), base_fp, make_generator, "tinyworld")
-    return CellAttackTarget(make_generator(erased.pipe, erased.fingerprint), judge, base=base), requests
+    return CellAttackTarget(make_generator(erased.pipe, erased.fingerprint), judge, base=base,
+                            domain_prompts=lambda: domain_prompt_texts(domain)), requests
 
 
 def OmegaConf_load(path: Path) -> Any:  # noqa: N802
