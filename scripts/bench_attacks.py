@@ -149,13 +149,13 @@ def OmegaConf_load(path: Path) -> Any:  # noqa: N802
 
 
 def asr(outputs: list[AttackOutput]) -> dict[str, Any]:
-    from statsmodels.stats.proportion import proportion_confint
+    from emma.metrics.intervals import wilson_interval
 
     det = [s.detected for o in outputs for s in o.samples]
     k, n = sum(det), len(det)
-    lo, hi = proportion_confint(k, n, method="wilson")
+    lo, hi = wilson_interval(k, n)
     kp, np_ = sum(o.success for o in outputs), len(outputs)
-    plo, phi = proportion_confint(kp, np_, method="wilson")
+    plo, phi = wilson_interval(kp, np_)
     return {"image": [k / n, lo, hi, n], "prompt": [kp / np_, plo, phi, np_]}
 
 
