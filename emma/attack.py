@@ -199,10 +199,10 @@ class CellAttackTarget(GenerationTarget):
         return self._base
 
     def domain_prompts(self) -> list[str]:
-        if self._domain_prompts is None:
+        if getattr(self, "_domain_prompts", None) is None:
             raise AttackTargetError("this attack target does not know its domain's prompts; use the "
                                     "attacker's vocabulary=all (the tokenizer's) or a list of words")
-        if self._domain_prompt_list is None:
+        if getattr(self, "_domain_prompt_list", None) is None:
             self._domain_prompt_list = list(self._domain_prompts())
         return self._domain_prompt_list
 
