@@ -165,7 +165,16 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
     for a in dict.fromkeys(r["attacker"] for r in rows):
         cfg = next(r["config"]["attacker"] for r in rows if r["attacker"] == a)
         out.append(f"- **{a}**: `{json.dumps({k: v for k, v in cfg.items() if k != '_target_'}, sort_keys=True)}`")
-    out += ["", f"Command: `{command}` — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+    # the invocations that ran the cells (one per metrics config), then the one that rendered this page
+    runs_by_metrics: dict[str, list[str]] = {}
+    for r in rows:
+        runs_by_metrics.setdefault(_metrics_of(r), [])
+        if r["method"] not in runs_by_metrics[_metrics_of(r)]:
+            runs_by_metrics[_metrics_of(r)].append(r["method"])
+    out += ["", "Cells run by:", ""]
+    out += [f"- `{command} --methods {','.join(ms)}"
+            f"{'' if mx == 'rates_only' else f' --metrics {mx}'}`" for mx, ms in runs_by_metrics.items()]
+    out += ["", f"Rendered by `{command} --from-rows` — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
             f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s)."]
     return "\n".join(out) + "\n"
 

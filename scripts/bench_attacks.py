@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from attackers.common import StraightThroughSample, build_sequences, layout  # noqa: E402
+from attackers.common import StraightThroughSample, build_sequences, candidate_token_ids, layout  # noqa: E402
 from attackers.unlearndiffatk import UnlearnDiffAtkAttacker, sampled_timesteps  # noqa: E402
 from emma.api.types import AttackOutput, PromptRequest  # noqa: E402
 from emma.attack import judged_outputs  # noqa: E402
@@ -59,6 +59,9 @@ class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
         wb = target.white_box()
         prompts, stats = [], []
         vocab = wb.token_embedding_matrix().float()
+        cand = candidate_token_ids(wb, self.vocabulary, target, self.name)
+        if cand is not None:
+            vocab = vocab[cand]
         for req in requests:
             t0 = time.perf_counter()
             st = {"queries": 0, "iterations": 0}
@@ -92,7 +95,8 @@ class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
                         with torch.no_grad():
                             simplex.data = torch.stack([bisection(row) for row in simplex.data[0]]).unsqueeze(0)
                         st["iterations"] += 1
-                    text = wb.decode_ids(seqs.fill(simplex.data.argmax(-1))[0].tolist())
+                    best = simplex.data.argmax(-1)
+                    text = wb.decode_ids(seqs.fill(best if cand is None else cand[best])[0].tolist())
                     det, _ = target.check_prompts([text], [req.concept], [req.seed])
                     st["queries"] += 1
                     if det[0] and self.early_stop:
@@ -164,12 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", default="uce")
     p.add_argument("--timesteps", type=int, default=4)
     p.add_argument("--iterations", type=int, default=5, help="iterations per timestep")
+    p.add_argument("--vocabulary", default="all", help="all (the reference's) or domain")
     p.add_argument("--override", action="append", default=[])
     p.add_argument("--erase-cache", default=None, help="cache holding the erased model (reused by both runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    kw = dict(timesteps=args.timesteps, iterations_per_timestep=args.iterations, seed=0)
+    kw = dict(timesteps=args.timesteps, iterations_per_timestep=args.iterations, vocabulary=args.vocabulary, seed=0)
     results = {}
     for label, cls in (("batched", UnlearnDiffAtkAttacker), ("sequential", SequentialUnlearnDiffAtk)):
         with tempfile.TemporaryDirectory() as tmp:
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     # on a shared machine the CPU-time ratio is the steadier of the two
     print(f"speed-up (sequential / batched): wall {ratio:.2f}x, CPU time {cpu_ratio:.2f}x")
     summary = {"method": args.method, "timesteps": args.timesteps, "iterations_per_timestep": args.iterations,
+               "vocabulary": args.vocabulary,
                "overrides": args.override, "speedup_wall": ratio, "speedup_cpu": cpu_ratio, **results}
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
