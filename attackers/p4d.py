@@ -62,7 +62,7 @@ class P4DAttacker(Attacker):
     """
 
     name = "p4d"
-    version = "1"
+    version = "2"
     needs_white_box = True
     needs_base_model = True
     resumable = True
