@@ -147,18 +147,26 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
            "machine's shared CPU (1 thread; compare within the table only); cell wall = the whole cell "
            "(`emma.cell.run_cell` in-process: load, erase unless cached, suite, attack, metrics), with "
            "the image and erased-model caches shared by the cells in the order they ran (attacker-major).", "",
-           f"Overrides: `{' '.join(overrides) or '(none)'}`", "",
+           f"Overrides: `{' '.join(overrides) or '(none)'}`. Beats static: the attack's ASR (images) "
+           "interval lies entirely above the static suite's on the same erased model.", "",
            "| method | attacker | ASR (prompts) | ASR (images) | queries/prompt | iterations/prompt "
-           "| attack wall (s) | cell wall (s) | metrics |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| attack wall (s) | cell wall (s) | metrics | beats static |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["metrics"]
+        static = next((s["metrics"].get("asr/images") for s in rows
+                       if s["method"] == r["method"] and s["attacker"] == "static"), None)
+        ours = m.get("asr/images")
+        if r["attacker"] == "static" or not static or not ours:
+            beats = ""
+        else:  # the attack's image-level interval lies above the static suite's
+            beats = "yes" if (ours.get("ci_low") or 0) > (static.get("ci_high") or 1) else "no"
         q = m.get("attack/queries_mean", {}).get("value")
         it = m.get("attack/iterations_mean", {}).get("value")
         out.append(f"| {r['method']} | {r['attacker']} | {fmt_ci(m.get('asr'))} | {fmt_ci(m.get('asr/images'))} "
-                   f"| {q if q is None else f'{q:.1f}'} | {it if it is None else f'{it:.0f}'} "
+                   f"| {'–' if q is None else f'{q:.1f}'} | {'–' if it is None else f'{it:.0f}'} "
                    f"| {r['timing'].get('attack_s', 0):.0f} | {r['cell_wall_s']:.0f} "
-                   f"| {_metrics_of(r)} |")
+                   f"| {_metrics_of(r)} | {beats} |")
     out += ["", "Original prompt (left) vs adversarial prompt (right) on the erased model, same seed; one row "
             "per method:", "", "![grid](attacks_tinyworld.png)", ""] + grid_lines
     out += ["", "Attacker settings (budget per prompt):", ""]
