@@ -44,7 +44,8 @@ ERASED = ["method.preserve_concepts.tinyworld=[]"]
 @pytest.mark.parametrize("attacker", [
     "unlearndiffatk",  # the tiny-world preset: 10 timesteps x 10 iterations over the domain's tokens
     pytest.param("ring_a_bell", marks=pytest.mark.xfail(
-        strict=True, reason="measured: 0 of 20 images; its prompts near embed(prompt) + eta * v are circle "
+        strict=True, reason="measured: 0 of 20 images (name + variant prompts, 4 images each); its prompts near "
+        "embed(prompt) + eta * v are circle "
         "words (disc, orb, circle, ...) that UCE's edit of those directions also erases")),
 ])
 @pytest.mark.slow
