@@ -35,9 +35,9 @@ def compose(*overrides: str):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-# UCE erasing circle alone (no preserved concepts): the tiny-world preset, which preserves the
-# other seven shapes, resisted every attack at these budgets (0 of 20 images for UnlearnDiffAtk
-# and Ring-A-Bell, name + variant prompts).
+# UCE erasing circle alone (no preserved concepts): against the tiny-world preset, which
+# preserves the other seven shapes, UnlearnDiffAtk found 0 of 20 images here (name + variant
+# prompts, 4 images each) and 4 of 200 on all 20 EA prompts (docs/attacks_tinyworld.md).
 ERASED = ["method.preserve_concepts.tinyworld=[]"]
 
 
