@@ -169,6 +169,10 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
                    f"| {_metrics_of(r)} | {beats} |")
     out += ["", "Original prompt (left) vs adversarial prompt (right) on the erased model, same seed; one row "
             "per method:", "", "![grid](attacks_tinyworld.png)", ""] + grid_lines
+    out += ["", "Erasure settings (the method presets when the cells ran):", ""]
+    for mth in dict.fromkeys(r["method"] for r in rows):
+        cfg = next(r["config"]["method"] for r in rows if r["method"] == mth)
+        out.append(f"- **{mth}**: `{json.dumps({k: v for k, v in cfg.items() if k != '_target_'}, sort_keys=True)}`")
     out += ["", "Attacker settings (budget per prompt):", ""]
     for a in dict.fromkeys(r["attacker"] for r in rows):
         cfg = next(r["config"]["attacker"] for r in rows if r["attacker"] == a)
