@@ -22,6 +22,37 @@ def check_insertion(insertion: str) -> str:
     return insertion
 
 
+# Candidate tokens of a token search: the tokenizer's whole vocabulary (the references), or the
+# tokens of the domain's prompts (every concept and prompt type of the cell's domain), or the
+# tokens of a given list of words / texts.
+VOCABULARIES: tuple[str, ...] = ("all", "domain")
+
+
+def check_vocabulary(what: str, vocabulary: Any) -> str | list[str]:
+    if isinstance(vocabulary, str):
+        if vocabulary not in VOCABULARIES:
+            raise UnknownChoiceError(f"{what} vocabulary", vocabulary, (*VOCABULARIES, "[word, ...]"))
+        return vocabulary
+    words = [str(w) for w in (vocabulary or [])]
+    if not words:
+        raise ConfigError(f"{what} vocabulary: give 'all', 'domain' or a non-empty list of words")
+    return words
+
+
+def candidate_token_ids(wb: Any, vocabulary: str | Sequence[str], target: Any, what: str) -> torch.Tensor | None:
+    """Sorted ids a token search may use (start/end/padding excluded), or ``None`` for the
+    whole vocabulary. ``domain``: the tokens of ``target.domain_prompts()``."""
+    if vocabulary == "all":
+        return None
+    texts = list(target.domain_prompts()) if vocabulary == "domain" else list(vocabulary)
+    special = {wb.bos_token_id, wb.eos_token_id, wb.pad_token_id}
+    ids = sorted({int(i) for t in texts for i in wb.tokenizer(t, truncation=False).input_ids} - special)
+    if len(ids) < 2:
+        raise ConfigError(f"{what} vocabulary {vocabulary if isinstance(vocabulary, str) else 'list'}: "
+                          f"{len(ids)} token(s); a search needs at least 2")
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def check_positive(what: str, value: Any) -> int:
     if int(value) < 1:
         raise ConfigError(f"{what} must be >= 1 (got {value}): an attack with no budget cannot run")

@@ -26,7 +26,15 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from attackers.common import RequestState, after_every, build_sequences, check_positive, share_time
+from attackers.common import (
+    RequestState,
+    after_every,
+    build_sequences,
+    candidate_token_ids,
+    check_positive,
+    check_vocabulary,
+    share_time,
+)
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest
 from emma.attack import judged_outputs
@@ -48,18 +56,21 @@ class P4DAttacker(Attacker):
         eval_every: steps between judged checks (reference 50).
         early_stop: stop a request at its first successful check.
         requests_per_batch: requests optimised (and cached) together.
+        vocabulary: the tokens hard prompts are projected onto: ``all`` (the tokenizer's, the
+            reference), ``domain`` (the tokens of the domain's prompts) or a list of words.
         seed: seeds the initial tokens, timesteps and noise.
     """
 
     name = "p4d"
-    version = "1"
+    version = "2"
     needs_white_box = True
     needs_base_model = True
     resumable = True
 
     def __init__(self, variant: str = "n", n_tokens: int = 16, every: int = 3, iterations: int = 3000,
                  learning_rate: float = 0.1, weight_decay: float = 0.1, eval_every: int = 50,
-                 early_stop: bool = True, requests_per_batch: int = 32, seed: int = 0) -> None:
+                 early_stop: bool = True, requests_per_batch: int = 32,
+                 vocabulary: str | Sequence[str] = "all", seed: int = 0) -> None:
         if variant not in VARIANTS:
             raise UnknownChoiceError("P4D variant", variant, VARIANTS)
         self.variant = variant
@@ -71,6 +82,7 @@ class P4DAttacker(Attacker):
         self.learning_rate, self.weight_decay = float(learning_rate), float(weight_decay)
         self.early_stop = bool(early_stop)
         self.requests_per_batch = check_positive("p4d requests_per_batch", requests_per_batch)
+        self.vocabulary = check_vocabulary("p4d", vocabulary)
         self.seed = int(seed)
 
     def budget(self) -> dict[str, int]:
@@ -80,7 +92,8 @@ class P4DAttacker(Attacker):
         return {**super().config(), "variant": self.variant, "n_tokens": self.n_tokens, "every": self.every,
                 "iterations": self.iterations, "learning_rate": self.learning_rate,
                 "weight_decay": self.weight_decay, "eval_every": self.eval_every,
-                "early_stop": self.early_stop, "seed": self.seed, "budget": self.budget()}
+                "early_stop": self.early_stop, "vocabulary": self.vocabulary, "seed": self.seed,
+                "budget": self.budget()}
 
     def _layout(self, prompt_ids: Sequence[int]) -> list[int | None]:
         return [None] * self.n_tokens if self.variant == "n" else after_every(prompt_ids, self.every)
@@ -88,6 +101,7 @@ class P4DAttacker(Attacker):
     def check(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> None:
         super().check(target, requests)
         wb = target.white_box()
+        candidate_token_ids(wb, self.vocabulary, target, self.name)
         for r in requests:
             ids = wb.tokenizer(r.prompt, truncation=False).input_ids[1:-1]
             build_sequences([self._layout(ids)], wb.context_length, wb.bos_token_id, wb.eos_token_id,
@@ -122,11 +136,15 @@ class P4DAttacker(Attacker):
         seqs = build_sequences([self._layout(p) for p in prompt_ids], erased.context_length,
                                erased.bos_token_id, erased.eos_token_id, erased.pad_token_id)
         vocab = erased.token_embedding_matrix().float()
-        vocab_unit = torch.nn.functional.normalize(vocab, dim=-1)
         m = seqs.slots.shape[1]
-        # the reference draws initial ids from the whole vocabulary, specials excluded here
-        low = min(erased.bos_token_id, erased.eos_token_id)
-        init = torch.randint(0, low, (n, m), generator=gen)
+        cand = candidate_token_ids(erased, self.vocabulary, target, self.name)
+        if cand is None:  # the reference draws initial ids from the whole vocabulary, specials excluded here
+            cand = torch.arange(min(erased.bos_token_id, erased.eos_token_id))
+            init = torch.randint(0, len(cand), (n, m), generator=gen)
+        else:
+            init = cand[torch.randint(0, len(cand), (n, m), generator=gen)]
+        # PEZ projects onto the candidates (the whole vocabulary in the reference)
+        cand_unit = torch.nn.functional.normalize(vocab, dim=-1)[cand]
         soft = torch.nn.Parameter(vocab[init].clone())
         opt = torch.optim.AdamW([soft], lr=self.learning_rate, weight_decay=self.weight_decay)
         with torch.no_grad():
@@ -138,7 +156,7 @@ class P4DAttacker(Attacker):
                 break
             rows = torch.tensor(live)
             with torch.no_grad():  # PEZ: forward with the nearest hard tokens
-                nn_ids = (torch.nn.functional.normalize(soft.data[rows], dim=-1) @ vocab_unit.T).argmax(-1)
+                nn_ids = cand[(torch.nn.functional.normalize(soft.data[rows], dim=-1) @ cand_unit.T).argmax(-1)]
             hard = vocab[nn_ids].clone().requires_grad_(True)
             sub = type(seqs)(seqs.ids[rows], seqs.slots[rows])
             hidden = erased.encode_embeds(sub.embed(base_embeds[rows], hard))

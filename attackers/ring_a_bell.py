@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from attackers.common import RequestState, check_positive, share_time
+from attackers.common import RequestState, candidate_token_ids, check_positive, check_vocabulary, share_time
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest
 from emma.attack import judged_outputs
@@ -46,6 +46,8 @@ class RingABellAttacker(Attacker):
             give pairs too (the prompt, and the prompt without the name).
         neutral: the concept's stand-in in the "without" prompt of a template pair.
         requests_per_batch: requests searched (and cached) together.
+        vocabulary: the tokens prompts are drawn from: ``all`` (the reference: every id in
+            ``[1, 49406)``), ``domain`` (the tokens of the domain's prompts) or a list of words.
         seed: seeds the search.
     """
 
@@ -57,7 +59,7 @@ class RingABellAttacker(Attacker):
     def __init__(self, length: int = 16, eta: float = 3.0, population: int = 200, generations: int = 3000,
                  mutation_rate: float = 0.25, crossover_rate: float = 0.5,
                  pair_templates: Optional[Sequence[str]] = None, neutral: str = "",
-                 requests_per_batch: int = 32, seed: int = 0) -> None:
+                 requests_per_batch: int = 32, vocabulary: str | Sequence[str] = "all", seed: int = 0) -> None:
         self.length = check_positive("ring_a_bell length (K)", length)
         self.eta = float(eta)
         self.population = check_positive("ring_a_bell population", population)
@@ -71,6 +73,7 @@ class RingABellAttacker(Attacker):
                 raise ConfigError(f"ring_a_bell pair template {t!r} has no '{{}}' for the concept")
         self.neutral = neutral
         self.requests_per_batch = check_positive("ring_a_bell requests_per_batch", requests_per_batch)
+        self.vocabulary = check_vocabulary("ring_a_bell", vocabulary)
         self.seed = int(seed)
 
     def budget(self) -> dict[str, int]:
@@ -80,7 +83,7 @@ class RingABellAttacker(Attacker):
         return {**super().config(), "length": self.length, "eta": self.eta, "population": self.population,
                 "generations": self.generations, "mutation_rate": self.mutation_rate,
                 "crossover_rate": self.crossover_rate, "pair_templates": self.pair_templates,
-                "neutral": self.neutral, "seed": self.seed, "budget": self.budget()}
+                "neutral": self.neutral, "vocabulary": self.vocabulary, "seed": self.seed, "budget": self.budget()}
 
     def check(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> None:
         super().check(target, requests)
@@ -88,6 +91,7 @@ class RingABellAttacker(Attacker):
         if self.length + 2 > wb.context_length:
             raise ConfigError(f"ring_a_bell length K={self.length} + start/end tokens > the tokenizer's "
                               f"context of {wb.context_length}; use length <= {wb.context_length - 2}")
+        candidate_token_ids(wb, self.vocabulary, target, "ring_a_bell")
         for c in sorted({r.concept for r in requests}):
             if not self.pairs(c, requests):
                 raise ConfigError(f"ring_a_bell: no prompt pairs for concept {c!r}: give pair_templates "
@@ -119,11 +123,16 @@ class RingABellAttacker(Attacker):
         rng = np.random.default_rng(self.seed)
         K, L = self.length, wb.context_length
         low, high = 1, min(wb.bos_token_id, wb.eos_token_id)  # the reference draws ids in [1, 49406)
+        cand = candidate_token_ids(wb, self.vocabulary, target, "ring_a_bell")
+        pool = None if cand is None else cand.numpy()
+
+        def draw(size: int | None = None) -> Any:
+            return rng.integers(low, high, size=size) if pool is None else pool[rng.integers(0, len(pool), size=size)]
 
         def individual() -> np.ndarray:
             ids = np.full(L, wb.eos_token_id, dtype=np.int64)
             ids[0] = wb.bos_token_id
-            ids[1 : K + 1] = rng.integers(low, high, size=K)
+            ids[1 : K + 1] = draw(K)
             return ids
 
         pops = [[individual() for _ in range(self.population)] for _ in requests]
@@ -140,7 +149,7 @@ class RingABellAttacker(Attacker):
                 memo[r] = {p.tobytes(): memo[r][p.tobytes()] for p in pops[r]}  # survivors keep theirs
                 states[r].iterations += 1
                 if gen != self.generations - 1:
-                    pops[r] = self._mutate(self._crossover(pops[r], rng, K), rng, K, low, high)
+                    pops[r] = self._mutate(self._crossover(pops[r], rng, K), rng, K, draw)
             bar.update(1)
             bar.set_postfix(best=f"{np.mean(best):.3f}")
         bar.close()
@@ -176,8 +185,9 @@ class RingABellAttacker(Attacker):
                 out.append(np.concatenate([parents[j][:cut], parents[i][cut:]]))
         return out
 
-    def _mutate(self, pop: list[np.ndarray], rng: np.random.Generator, K: int, low: int, high: int) -> list[np.ndarray]:
+    def _mutate(self, pop: list[np.ndarray], rng: np.random.Generator, K: int,
+                draw: Callable[[], Any]) -> list[np.ndarray]:
         for p in pop:
             if rng.random() < self.mutation_rate:
-                p[int(rng.integers(1, K + 1))] = int(rng.integers(low, high))
+                p[int(rng.integers(1, K + 1))] = int(draw())
         return pop

@@ -33,8 +33,10 @@ from attackers.common import (
     RequestState,
     StraightThroughSample,
     build_sequences,
+    candidate_token_ids,
     check_insertion,
     check_positive,
+    check_vocabulary,
     layout,
     project_simplex,
     share_time,
@@ -66,6 +68,8 @@ class UnlearnDiffAtkAttacker(Attacker):
         reference_images: a folder of reference images (``*.png``/``*.jpg``, used in sorted
             order, one per request, cycling); ``None``: the base model's image of each prompt.
         requests_per_batch: requests optimised together (and cached together).
+        vocabulary: the tokens the adversarial tokens are drawn from: ``all`` (the tokenizer's,
+            the reference), ``domain`` (the tokens of the domain's prompts) or a list of words.
         seed: seeds the token draws and the noise.
     """
 
@@ -78,7 +82,8 @@ class UnlearnDiffAtkAttacker(Attacker):
     def __init__(self, k: int = 3, insertion: str = "prefix_k", timesteps: int = 50,
                  iterations_per_timestep: int = 40, learning_rate: float = 0.01, weight_decay: float = 0.1,
                  criterion: str = "l2", early_stop: bool = True, check_original: bool = True,
-                 reference_images: Optional[str] = None, requests_per_batch: int = 32, seed: int = 0) -> None:
+                 reference_images: Optional[str] = None, requests_per_batch: int = 32,
+                 vocabulary: str | Sequence[str] = "all", seed: int = 0) -> None:
         self.k = check_positive("unlearndiffatk k (adversarial tokens)", k)
         self.insertion = check_insertion(insertion)
         self.timesteps = check_positive("unlearndiffatk timesteps", timesteps)
@@ -93,6 +98,7 @@ class UnlearnDiffAtkAttacker(Attacker):
         if reference_images is not None and not self._reference_files():
             raise ConfigError(f"unlearndiffatk reference_images={reference_images!r}: no *.png/*.jpg images there")
         self.requests_per_batch = check_positive("unlearndiffatk requests_per_batch", requests_per_batch)
+        self.vocabulary = check_vocabulary("unlearndiffatk", vocabulary)
         self.seed = int(seed)
 
     def _reference_files(self) -> list[Path]:
@@ -108,11 +114,12 @@ class UnlearnDiffAtkAttacker(Attacker):
                 "iterations_per_timestep": self.iterations_per_timestep, "learning_rate": self.learning_rate,
                 "weight_decay": self.weight_decay, "criterion": self.criterion, "early_stop": self.early_stop,
                 "check_original": self.check_original, "reference_images": self.reference_images,
-                "seed": self.seed, "budget": self.budget()}
+                "vocabulary": self.vocabulary, "seed": self.seed, "budget": self.budget()}
 
     def check(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> None:
         super().check(target, requests)
         wb = target.white_box()
+        candidate_token_ids(wb, self.vocabulary, target, "unlearndiffatk")
         for r in requests:  # raises ConfigError when the prompt and k tokens exceed the context
             ids = wb.tokenizer(r.prompt, truncation=False).input_ids[1:-1]
             build_sequences([layout(ids, self.k, self.insertion)], wb.context_length, wb.bos_token_id,
@@ -163,6 +170,9 @@ class UnlearnDiffAtkAttacker(Attacker):
         seqs = build_sequences([layout(p, self.k, self.insertion) for p in prompt_ids], wb.context_length,
                                wb.bos_token_id, wb.eos_token_id, wb.pad_token_id)
         vocab = wb.token_embedding_matrix().float()
+        cand = candidate_token_ids(wb, self.vocabulary, target, "unlearndiffatk")
+        if cand is not None:  # the simplex spans the candidate tokens only
+            vocab = vocab[cand]
         with torch.no_grad():
             base_embeds = wb.embed_ids(seqs.ids.to(wb.device)).float()
         n, V = len(reqs), vocab.shape[0]
@@ -200,7 +210,8 @@ class UnlearnDiffAtkAttacker(Attacker):
                 bar.set_postfix(t=t, loss=f"{per_req.mean().item():.4f}", live=len(live))
             # hard tokens: the argmax of each simplex point, as text (replayable anywhere)
             with torch.no_grad():
-                ids = seqs.fill(simplex.data.argmax(-1))
+                best = simplex.data.argmax(-1)
+                ids = seqs.fill(best if cand is None else cand[best])
             texts = [wb.decode_ids(ids[i].tolist()) for i in live]
             det, score = target.check_prompts(texts, [reqs[i].concept for i in live],
                                               [reqs[i].seed for i in live])

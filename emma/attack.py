@@ -168,8 +168,11 @@ class CellAttackTarget(GenerationTarget):
     settings and fingerprint, its white box, and the base model when the cell can give it."""
 
     def __init__(self, generator: CachedGenerator, judge: Judge, *, base: LazyBaseModel | None = None,
-                 white_box_allowed: bool = True, model_name: str = "") -> None:
+                 white_box_allowed: bool = True, model_name: str = "",
+                 domain_prompts: Callable[[], Sequence[str]] | None = None) -> None:
         super().__init__(generator, judge)
+        self._domain_prompts = domain_prompts
+        self._domain_prompt_list: list[str] | None = None
         self.sampler = SamplerSettings(generator.num_inference_steps, generator.guidance_scale,
                                        generator.height, generator.width, generator.negative_prompt)
         self.fingerprint = generator.model_fingerprint
@@ -195,6 +198,14 @@ class CellAttackTarget(GenerationTarget):
                                     "cannot give (e.g. method=checkpoint without model.pretrained)")
         return self._base
 
+    def domain_prompts(self) -> list[str]:
+        if getattr(self, "_domain_prompts", None) is None:
+            raise AttackTargetError("this attack target does not know its domain's prompts; use the "
+                                    "attacker's vocabulary=all (the tokenizer's) or a list of words")
+        if getattr(self, "_domain_prompt_list", None) is None:
+            self._domain_prompt_list = list(self._domain_prompts())
+        return self._domain_prompt_list
+
     def check_prompts(self, prompts: Sequence[str], concepts: Sequence[str],
                       seeds: Sequence[int]) -> tuple[list[bool], list[float]]:
         """Draw one image per prompt on the erased model and judge it: (detected, concept score)."""
@@ -207,6 +218,16 @@ class CellAttackTarget(GenerationTarget):
             det.append(bool(self.detect(probs[i : i + 1], c)[0]))
             score.append(float(self.concept_score(probs[i : i + 1], c)[0]))
         return det, score
+
+
+def domain_prompt_texts(domain: Any, seed: int = 0) -> list[str]:
+    """Every prompt of ``domain``'s suites: each concept's requests of every prompt type (EA
+    and RA), deduplicated in order — the words the domain speaks."""
+    texts: dict[str, None] = {}
+    for concept in domain.concepts:
+        for r in domain.requests(concept, seed=seed):
+            texts[r.prompt] = None
+    return list(texts)
 
 
 def judged_outputs(target: AttackTarget, requests: Sequence[PromptRequest], prompts: Sequence[str],
@@ -246,13 +267,16 @@ class AttackCache:
 
     def key(self, target: AttackTarget, attacker: Attacker, request: PromptRequest) -> str:
         judge = getattr(target, "judge", None)
-        return stable_hash({
+        key = {
             "model": target.fingerprint,
             "sampler": dataclasses.asdict(target.sampler),
             "judge": judge.classifier.cache_key() if judge is not None else None,
             "attacker": attacker.config(),
             "request": dataclasses.asdict(request),
-        })
+        }
+        if getattr(attacker, "vocabulary", None) == "domain":  # the candidate tokens come from the domain
+            key["domain_prompts"] = stable_hash(list(target.domain_prompts()))
+        return stable_hash(key)
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.json"

@@ -8,6 +8,7 @@ write. Every stage is idempotent; a killed cell re-run picks up every finished i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,15 @@ from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.api.types import PromptRequest, Sample
-from emma.attack import AttackCache, CellAttackTarget, LazyBaseModel, attack_metrics, attack_records, run_attack
+from emma.attack import (
+    AttackCache,
+    CellAttackTarget,
+    LazyBaseModel,
+    attack_metrics,
+    attack_records,
+    domain_prompt_texts,
+    run_attack,
+)
 from emma.cache import (
     ClassifierScoreCache,
     ImageCache,
@@ -180,9 +189,11 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     # An attacker refuses a model or request it cannot handle here, before any image is drawn.
     attack_requests = [r for r in requests if r.group == "ea"]
     base_model = LazyBaseModel(lambda: load_pipeline(cfg.model), base_fp, make_generator, cfg.model.name)
+    domain_prompts = functools.lru_cache(maxsize=1)(lambda: domain_prompt_texts(domain, int(cfg.seed)))
     if attack_requests:
         attacker.check(CellAttackTarget(make_generator(pipe, base_fp), judges.for_request(attack_requests[0]),
-                                        base=base_model, model_name=cfg.model.name), attack_requests)
+                                        base=base_model, model_name=cfg.model.name,
+                                        domain_prompts=domain_prompts), attack_requests)
 
     images_generated = 0
     extra_lines: list[dict[str, Any]] = []  # samples.jsonl lines of the bias images
@@ -223,7 +234,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     attack_run = None
     if attack_requests:  # prompt_types may leave only RA prompts: then there is nothing to attack
         target = CellAttackTarget(generator, judges.for_request(attack_requests[0]), base=base_model,
-                                  model_name=cfg.model.name)
+                                  model_name=cfg.model.name, domain_prompts=domain_prompts)
         if hasattr(attacker, "bind_cell"):  # attackers that write their own files (STACE's trace, report)
             attacker.bind_cell(output_dir=output_dir, cache_dir=cache_root,
                                info={"model": cfg.model.name, "method": method.name, "domain": domain.name})

@@ -130,6 +130,10 @@ def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path
     return lines
 
 
+def _metrics_of(row: dict[str, Any]) -> str:
+    return next((o.split("=", 1)[1] for o in row.get("overrides", []) if o.startswith("metrics=")), "?")
+
+
 def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, overrides: list[str]) -> str:
     out = ["# Adaptive attacks on the tiny world", "",
            "Concept **circle** erased from the tiny world by each method (the CLI's tiny-world presets), "
@@ -140,25 +144,49 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
            "ASR (images) = fraction of their images with the circle (`asr/images`, prompt-cluster bootstrap "
            "95% CI). Queries = images drawn on the erased model per prompt (checks during the "
            "attack + the final judged images); wall = the attack stage's seconds for all prompts on this "
-           "machine's shared CPU (1 thread; compare within the table only).", "",
-           f"Overrides: `{' '.join(overrides) or '(none)'}`", "",
+           "machine's shared CPU (1 thread; compare within the table only); cell wall = the whole cell "
+           "(`emma.cell.run_cell` in-process: load, erase unless cached, suite, attack, metrics), with "
+           "the image and erased-model caches shared by the cells in the order they ran (attacker-major).", "",
+           f"Overrides: `{' '.join(overrides) or '(none)'}`. Beats static: the attack's ASR (images) "
+           "interval lies entirely above the static suite's on the same erased model.", "",
            "| method | attacker | ASR (prompts) | ASR (images) | queries/prompt | iterations/prompt "
-           "| attack wall (s) |",
-           "|---|---|---|---|---|---|---|"]
+           "| attack wall (s) | cell wall (s) | metrics | beats static |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["metrics"]
+        static = next((s["metrics"].get("asr/images") for s in rows
+                       if s["method"] == r["method"] and s["attacker"] == "static"), None)
+        ours = m.get("asr/images")
+        if r["attacker"] == "static" or not static or not ours:
+            beats = ""
+        else:  # the attack's image-level interval lies above the static suite's
+            beats = "yes" if (ours.get("ci_low") or 0) > (static.get("ci_high") or 1) else "no"
         q = m.get("attack/queries_mean", {}).get("value")
         it = m.get("attack/iterations_mean", {}).get("value")
         out.append(f"| {r['method']} | {r['attacker']} | {fmt_ci(m.get('asr'))} | {fmt_ci(m.get('asr/images'))} "
-                   f"| {q if q is None else f'{q:.1f}'} | {it if it is None else f'{it:.0f}'} "
-                   f"| {r['timing'].get('attack_s', 0):.0f} |")
+                   f"| {'–' if q is None else f'{q:.1f}'} | {'–' if it is None else f'{it:.0f}'} "
+                   f"| {r['timing'].get('attack_s', 0):.0f} | {r['cell_wall_s']:.0f} "
+                   f"| {_metrics_of(r)} | {beats} |")
     out += ["", "Original prompt (left) vs adversarial prompt (right) on the erased model, same seed; one row "
             "per method:", "", "![grid](attacks_tinyworld.png)", ""] + grid_lines
+    out += ["", "Erasure settings (the method presets when the cells ran):", ""]
+    for mth in dict.fromkeys(r["method"] for r in rows):
+        cfg = next(r["config"]["method"] for r in rows if r["method"] == mth)
+        out.append(f"- **{mth}**: `{json.dumps({k: v for k, v in cfg.items() if k != '_target_'}, sort_keys=True)}`")
     out += ["", "Attacker settings (budget per prompt):", ""]
     for a in dict.fromkeys(r["attacker"] for r in rows):
         cfg = next(r["config"]["attacker"] for r in rows if r["attacker"] == a)
         out.append(f"- **{a}**: `{json.dumps({k: v for k, v in cfg.items() if k != '_target_'}, sort_keys=True)}`")
-    out += ["", f"Command: `{command}` — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+    # the invocations that ran the cells (one per metrics config), then the one that rendered this page
+    runs_by_metrics: dict[str, list[str]] = {}
+    for r in rows:
+        runs_by_metrics.setdefault(_metrics_of(r), [])
+        if r["method"] not in runs_by_metrics[_metrics_of(r)]:
+            runs_by_metrics[_metrics_of(r)].append(r["method"])
+    out += ["", "Cells run by:", ""]
+    out += [f"- `{command} --methods {','.join(ms)}"
+            f"{'' if mx == 'rates_only' else f' --metrics {mx}'}`" for mx, ms in runs_by_metrics.items()]
+    out += ["", f"Rendered by `{command} --from-rows` — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
             f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s)."]
     return "\n".join(out) + "\n"
 
@@ -171,11 +199,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method-override", action="append", default=[],
                    help="METHOD:OVERRIDE, a Hydra override for that method's cells only")
     p.add_argument("--from-rows", action="store_true", help="only render the finished cells of --runs")
+    p.add_argument("--metrics", default="rates_only",
+                   help="the cells' metrics config (default rates_only; 'default' adds bias and FID)")
+    p.add_argument("--rerun", action="store_true", help="run cells already in --runs/rows.json again")
     p.add_argument("--out", default=str(ROOT / "docs" / "attacks_tinyworld.md"))
     p.add_argument("--runs", default=str(ROOT / ".cache" / "attacks_tinyworld"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    overrides = ["metrics=rates_only", *args.override]
+    # every cell computes (no finished-cell reuse), so that wall times are measured
+    overrides = [f"metrics={args.metrics}", "paths.reuse_results=false", "overwrite=true", *args.override]
     if "EMMA_CACHE" in os.environ and not any(o.startswith("paths.cache_dir") for o in overrides):
         overrides.append(f"paths.cache_dir={os.environ['EMMA_CACHE']}")
     per_method: dict[str, list[str]] = {}
@@ -184,17 +216,23 @@ def main(argv: list[str] | None = None) -> None:
         per_method.setdefault(m, []).append(o)
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
-    rows = json.loads((runs / "rows.json").read_text()) if args.from_rows else []
+    # finished cells are kept in rows.json: a run resumes at the first missing cell, and runs of
+    # different methods (e.g. with different --metrics) add up to one table
+    rows = json.loads((runs / "rows.json").read_text()) if (runs / "rows.json").exists() else []
     # attacker-major: every method gets the static suite and the first attackers first
     for attacker in [] if args.from_rows else args.attackers.split(","):
         for method in args.methods.split(","):
+            if any(r["method"] == method and r["attacker"] == attacker for r in rows) and not args.rerun:
+                print(f"== {method} x {attacker}: in {runs / 'rows.json'}", flush=True)
+                continue
             print(f"== {method} x {attacker}", flush=True)
             row = run(method, attacker, overrides + per_method.get(method, []), runs / f"{method}_{attacker}")
-            rows.append(row)
+            row["overrides"] = overrides + per_method.get(method, [])
+            rows = [r for r in rows if (r["method"], r["attacker"]) != (method, attacker)] + [row]
             (runs / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
             print(f"   asr {fmt_ci(row['metrics'].get('asr'))}, broken {row['prompts_broken']}/{row['prompts']}, "
                   f"attack {row['timing'].get('attack_s', 0):.0f}s", flush=True)
-    rows.sort(key=lambda r: (args.methods.split(",").index(r["method"]) if r["method"] in args.methods else 99,
+    rows.sort(key=lambda r: (METHODS.index(r["method"]) if r["method"] in METHODS else 99,
                              ATTACKERS.index(r["attacker"]) if r["attacker"] in ATTACKERS else 99))
     out = Path(args.out)
     method_overrides = {m: [o for o in overrides + per_method.get(m, []) if not o.startswith("attacker")]

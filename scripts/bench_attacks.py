@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from attackers.common import StraightThroughSample, build_sequences, layout  # noqa: E402
+from attackers.common import StraightThroughSample, build_sequences, candidate_token_ids, layout  # noqa: E402
 from attackers.unlearndiffatk import UnlearnDiffAtkAttacker, sampled_timesteps  # noqa: E402
 from emma.api.types import AttackOutput, PromptRequest  # noqa: E402
 from emma.attack import judged_outputs  # noqa: E402
@@ -59,6 +59,9 @@ class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
         wb = target.white_box()
         prompts, stats = [], []
         vocab = wb.token_embedding_matrix().float()
+        cand = candidate_token_ids(wb, self.vocabulary, target, self.name)
+        if cand is not None:
+            vocab = vocab[cand]
         for req in requests:
             t0 = time.perf_counter()
             st = {"queries": 0, "iterations": 0}
@@ -92,7 +95,8 @@ class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
                         with torch.no_grad():
                             simplex.data = torch.stack([bisection(row) for row in simplex.data[0]]).unsqueeze(0)
                         st["iterations"] += 1
-                    text = wb.decode_ids(seqs.fill(simplex.data.argmax(-1))[0].tolist())
+                    best = simplex.data.argmax(-1)
+                    text = wb.decode_ids(seqs.fill(best if cand is None else cand[best])[0].tolist())
                     det, _ = target.check_prompts([text], [req.concept], [req.seed])
                     st["queries"] += 1
                     if det[0] and self.early_stop:
@@ -109,7 +113,7 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from emma.attack import CellAttackTarget, LazyBaseModel
+    from emma.attack import CellAttackTarget, LazyBaseModel, domain_prompt_texts
     from emma.cache import ClassifierScoreCache, ImageCache
     from emma.config import register_configs
     from emma.erase import erase_cached
@@ -138,7 +142,8 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
                                          _convert_="all")
     judge = Judge(classifier, ClassifierScoreCache(cache, classifier))
     base = LazyBaseModel(lambda: load_pipeline(cfg.model), base_fp, make_generator, "tinyworld")
-    return CellAttackTarget(make_generator(erased.pipe, erased.fingerprint), judge, base=base), requests
+    return CellAttackTarget(make_generator(erased.pipe, erased.fingerprint), judge, base=base,
+                            domain_prompts=lambda: domain_prompt_texts(domain)), requests
 
 
 def OmegaConf_load(path: Path) -> Any:  # noqa: N802
@@ -148,13 +153,13 @@ def OmegaConf_load(path: Path) -> Any:  # noqa: N802
 
 
 def asr(outputs: list[AttackOutput]) -> dict[str, Any]:
-    from statsmodels.stats.proportion import proportion_confint
+    from emma.metrics.intervals import wilson_interval
 
     det = [s.detected for o in outputs for s in o.samples]
     k, n = sum(det), len(det)
-    lo, hi = proportion_confint(k, n, method="wilson")
+    lo, hi = wilson_interval(k, n)
     kp, np_ = sum(o.success for o in outputs), len(outputs)
-    plo, phi = proportion_confint(kp, np_, method="wilson")
+    plo, phi = wilson_interval(kp, np_)
     return {"image": [k / n, lo, hi, n], "prompt": [kp / np_, plo, phi, np_]}
 
 
@@ -163,12 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", default="uce")
     p.add_argument("--timesteps", type=int, default=4)
     p.add_argument("--iterations", type=int, default=5, help="iterations per timestep")
+    p.add_argument("--vocabulary", default="all", help="all (the reference's) or domain")
     p.add_argument("--override", action="append", default=[])
     p.add_argument("--erase-cache", default=None, help="cache holding the erased model (reused by both runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    kw = dict(timesteps=args.timesteps, iterations_per_timestep=args.iterations, seed=0)
+    kw = dict(timesteps=args.timesteps, iterations_per_timestep=args.iterations, vocabulary=args.vocabulary, seed=0)
     results = {}
     for label, cls in (("batched", UnlearnDiffAtkAttacker), ("sequential", SequentialUnlearnDiffAtk)):
         with tempfile.TemporaryDirectory() as tmp:
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     # on a shared machine the CPU-time ratio is the steadier of the two
     print(f"speed-up (sequential / batched): wall {ratio:.2f}x, CPU time {cpu_ratio:.2f}x")
     summary = {"method": args.method, "timesteps": args.timesteps, "iterations_per_timestep": args.iterations,
+               "vocabulary": args.vocabulary,
                "overrides": args.override, "speedup_wall": ratio, "speedup_cpu": cpu_ratio, **results}
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -195,3 +195,34 @@ def test_each_attack_spends_its_budget_and_returns_a_replayable_prompt(plumbing_
         assert o.adversarial_prompt and o.adversarial_prompt != r.prompt
         if getattr(attacker, "variant", "") == "k" or isinstance(attacker, UnlearnDiffAtkAttacker):
             assert r.prompt.split()[-1] in o.adversarial_prompt  # the prompt's own tokens are kept
+
+
+def test_vocabulary_option_restricts_the_searched_tokens(plumbing_target):
+    from attackers.common import candidate_token_ids
+
+    wb = plumbing_target.white_box()
+    tok = lambda text: wb.tokenizer(text).input_ids[1:-1]  # noqa: E731
+    with pytest.raises(UnknownChoiceError, match="vocabulary 'domian'.*Did you mean 'domain'"):
+        RingABellAttacker(vocabulary="domian")
+    with pytest.raises(ConfigError, match="non-empty list"):
+        P4DAttacker(vocabulary=[])
+    # 'domain' needs a target that knows its domain's prompts; the plumbing target does not
+    with pytest.raises(AttackTargetError, match="domain's prompts"):
+        UnlearnDiffAtkAttacker(vocabulary="domain").check(plumbing_target, REQ)
+    prompts = ["an image of a circle", "a red disc"]
+    known = types.SimpleNamespace(domain_prompts=lambda: prompts)
+    assert candidate_token_ids(wb, "all", known, "x") is None
+    assert candidate_token_ids(wb, "domain", known, "x").tolist() == sorted({i for p in prompts for i in tok(p)})
+
+    words = ["round disc", "orb ring"]
+    allowed = {i for w in words for i in tok(w)}
+    req = [PromptRequest("an image of a circle", "circle", "ea", "name", seed=3, n_images=1)]
+    for atk, n_adv in ((UnlearnDiffAtkAttacker(k=3, timesteps=1, iterations_per_timestep=2, check_original=False,
+                                               vocabulary=words), 3),
+                       (P4DAttacker(variant="n", n_tokens=4, iterations=2, eval_every=1, early_stop=False,
+                                    vocabulary=words), 4),
+                       (RingABellAttacker(length=5, population=6, generations=2, pair_templates=["an image of a {}"],
+                                          vocabulary=words), 5)):
+        ids = tok(atk.attack(plumbing_target, req)[0].adversarial_prompt)
+        assert len(ids) >= n_adv and set(ids[:n_adv]) <= allowed, (atk.name, ids)
+        assert atk.config()["vocabulary"] == words

@@ -113,6 +113,11 @@ class AttackTarget(ImageSource, Protocol):
     def base_model(self) -> "BaseModel":
         """The model before erasure. Raises :class:`AttackTargetError` when unavailable."""
 
+    def domain_prompts(self) -> Sequence[str]:
+        """Every prompt of the cell's domain (all concepts, all prompt types): the words the
+        domain speaks, e.g. a candidate vocabulary for token searches. Raises
+        :class:`AttackTargetError` when the target does not know its domain."""
+
 
 class BaseModel(ImageSource, Protocol):
     """The base (not erased) model: generation plus white-box access."""
