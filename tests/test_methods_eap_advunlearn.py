@@ -300,3 +300,20 @@ def test_sd14_configs_erase_a_tiny_sd_of_the_same_classes(base, tmp_path, name):
     model = res.versions["model"]
     assert model["erased_fingerprint"] != model["base_fingerprint"]
     assert res.versions["components"]["method"]["version"] == "1"
+
+
+def test_advunlearn_erased_text_encoder_is_cached_and_reloaded(base, tmp_path):
+    from emma.erase import erase_cached
+
+    first = copy.deepcopy(base)
+    fp = fingerprint(base)
+    a = erase_cached(first, small_advunlearn(), ["circle"], tmp_path, base_fingerprint=fp, domain=DOMAIN, seed=0)
+    assert not a.cached and a.manifest["components"] == ["text_encoder"]
+    assert sorted(p.name for p in (tmp_path / "erased" / a.key).iterdir()) == ["manifest.json", "text_encoder"]
+    second = copy.deepcopy(base)
+    b = erase_cached(second, small_advunlearn(), ["circle"], tmp_path, base_fingerprint=fp, domain=DOMAIN, seed=0)
+    assert b.cached and b.key == a.key
+    assert fingerprint(second) == fingerprint(first) != fp
+    other = erase_cached(copy.deepcopy(base), small_advunlearn(attack_step=3), ["circle"], tmp_path,
+                         base_fingerprint=fp, domain=DOMAIN, seed=0)
+    assert other.key != a.key and not other.cached  # the hyper-parameters are in the key
