@@ -170,7 +170,7 @@ def test_paper_defaults_of_eap_and_advunlearn():
         1000, 1e-5, None, "all", 30, 1e-3, "pgd", "random", 1, "prefix_k", 200, 5, 0.3)
 
 
-@pytest.mark.parametrize("name", ["rece", "salun", "spm", "eap"])
+@pytest.mark.parametrize("name", ["rece", "salun", "spm", "eap", "advunlearn"])
 def test_tiny_presets_apply_on_the_tiny_models_only(name):
     from emma.config import register_configs
 
