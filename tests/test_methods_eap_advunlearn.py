@@ -25,7 +25,7 @@ from emma.methods.eap import (
     preserved_candidates,
     vocabulary_words,
 )
-from emma.pipelines import fingerprint, tiny_random_pipeline
+from emma.pipelines import TINYWORLD_DIR, fingerprint, tiny_random_pipeline
 
 DOMAIN = "tinyworld"
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -317,3 +317,30 @@ def test_advunlearn_erased_text_encoder_is_cached_and_reloaded(base, tmp_path):
     other = erase_cached(copy.deepcopy(base), small_advunlearn(attack_step=3), ["circle"], tmp_path,
                          base_fingerprint=fp, domain=DOMAIN, seed=0)
     assert other.key != a.key and not other.cached  # the hyper-parameters are in the key
+
+
+# --------------------------------------------------------------------------- the trained tiny world
+def _evaluation_script():
+    import importlib.util
+    import sys
+
+    path = CONF.parent / "scripts" / "eval_methods_tinyworld.py"
+    spec = importlib.util.spec_from_file_location("eval_methods_tinyworld", path)
+    ev = importlib.util.module_from_spec(spec)
+    sys.modules["eval_methods_tinyworld"] = ev
+    spec.loader.exec_module(ev)
+    return ev
+
+
+@pytest.mark.skipif(not TINYWORLD_DIR.exists(), reason="the trained tiny world is not shipped")
+def test_eap_erases_the_circle_and_keeps_the_other_shapes(tmp_path):
+    """EAP with its tiny-world preset, through the command line's configs: on 6 name images and
+    30 random-shape images (seed 0, 1 thread) the circle is gone (EA 1.00 in the 8-shape table,
+    10 images) and the other shapes keep at least 0.9 x the base model's RA (0.98 / 0.96 there)."""
+    ev = _evaluation_script()
+    kw = dict(seed=0, images_per_prompt=6, cache_dir=tmp_path, threads=1)
+    base = ev.evaluate_cell("none", "circle", **kw)
+    row = ev.evaluate_cell("eap", "circle", **kw)
+    assert base.ea_name <= 0.2 and row.ea_name >= 0.8, (base, row)
+    assert row.ra_random >= 0.9 * base.ra_random, (base, row)
+    assert row.method_config["name"] == "eap" and row.method_config["iterations"] == 100  # the preset
