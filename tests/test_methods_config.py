@@ -31,6 +31,10 @@ SMALL = {
     "salun": ["method.num_images=2", "method.train_batch_size=2", "method.epochs=1", "method.sample_steps=1"],
     "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1",
             "method.lr_warmup_steps=0"],
+    "eap": ["method.iterations=2", "method.ddim_steps=3", "method.vocabulary=[disc,ring,square,box]",
+            "method.k_closest=3", "method.num_centers=2"],
+    "advunlearn": ["method.iterations=2", "method.warmup_iter=1", "method.attack_step=1", "method.ddim_steps=3",
+                   "method.retain_batch=1"],
 }
 
 
@@ -53,7 +57,8 @@ def base():
 
 def test_the_issue_s_methods_all_have_a_file():
     for name in ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn",
-                 "checkpoint", "rece", "sld", "sld_weak", "sld_strong", "sld_max", "salun", "spm"):
+                 "checkpoint", "rece", "sld", "sld_weak", "sld_strong", "sld_max", "salun", "spm", "eap",
+                 "advunlearn"):
         assert name in METHODS
 
 
@@ -68,9 +73,11 @@ def test_every_method_file_erases_on_the_tiny_random_pipeline(base, name):
     if name == "none" or name.startswith("sld"):  # the base model / inference-time guidance
         assert fingerprint(pipe) == fingerprint(base) and method.edited_components == ()
     else:
-        assert method.edited_components == ("unet",)
-        assert fingerprint(pipe, ("unet",)) != fingerprint(base, ("unet",))
-        assert fingerprint(pipe, ("text_encoder", "vae")) == fingerprint(base, ("text_encoder", "vae"))
+        edited = ("text_encoder",) if name == "advunlearn" else ("unet",)  # AdvUnlearn trains the text encoder
+        kept = tuple(c for c in ("unet", "text_encoder", "vae") if c not in edited)
+        assert method.edited_components == edited
+        assert fingerprint(pipe, edited) != fingerprint(base, edited)
+        assert fingerprint(pipe, kept) == fingerprint(base, kept)
         cfg = method.config()
         assert cfg["name"] == method.name and cfg["version"] == method.version
 
@@ -151,7 +158,19 @@ def test_paper_defaults_of_the_newer_methods():
         1, 1.0, 3000, 1e-4, 500, 3, 30, 1.0, 1000.0, 4)
 
 
-@pytest.mark.parametrize("name", ["rece", "salun", "spm"])
+def test_paper_defaults_of_eap_and_advunlearn():
+    eap = method_cfg("eap")
+    assert (eap.train_method, eap.iterations, eap.learning_rate, eap.negative_guidance, eap.start_guidance,
+            eap.ddim_steps, eap.k_closest, eap.num_centers, eap.gumbel_lr, eap.gumbel_temp, eap.gumbel_hard,
+            eap.pgd_num_steps) == ("esd-x", 1000, 1e-5, 1.0, 3.0, 50, 1000, 100, 1e-2, 2.0, True, 2)
+    adv = method_cfg("advunlearn")
+    assert (adv.iterations, adv.learning_rate, adv.layers, adv.component, adv.attack_step, adv.attack_lr,
+            adv.attack_method, adv.attack_init, adv.adv_prompt_num, adv.attack_type, adv.warmup_iter,
+            adv.retain_batch, adv.retain_loss_w) == (
+        1000, 1e-5, None, "all", 30, 1e-3, "pgd", "random", 1, "prefix_k", 200, 5, 0.3)
+
+
+@pytest.mark.parametrize("name", ["rece", "salun", "spm", "eap", "advunlearn"])
 def test_tiny_presets_apply_on_the_tiny_models_only(name):
     from emma.config import register_configs
 

@@ -1,0 +1,351 @@
+"""AdvUnlearn — adversarial unlearning of the text encoder (Zhang et al., NeurIPS 2024).
+
+ESD's erasure objective, trained into the *text encoder* (the UNet stays frozen), against
+adversarial prompts found by an attack in the loop, with a retain set keeping other prompts'
+embeddings (``train-scripts/AdvUnlearn.py`` of OPTML-Group/AdvUnlearn). Per iteration, for a
+concept ``c`` (redrawn every ``adv_prompt_update_step`` iterations):
+
+- **attack** (after ``warmup_iter`` iterations, when the concept is redrawn):
+  ``adv_prompt_num`` adversarial tokens are inserted into ``c``'s prompt (``attack_type``:
+  UnlearnDiffAtk's insertions, prefix by default) and optimised for ``attack_step`` steps so
+  that the current text encoder makes the UNet predict what the original model predicts for
+  ``c``: minimise ``|ε(x_t, E_θ(adv)) − ε(x_t, E_0(c))|²`` at ``x_t`` drawn from ``c``. The
+  tokens are either continuous word embeddings (``attack_space: embedding``, the reference's
+  ``word_embd``; ``attack_method`` ``pgd`` = Adam steps, ``fast_at`` = Adam on the gradient's
+  sign) or UnlearnDiffAtk's hard tokens (``attack_space: tokens``: points on the vocabulary
+  simplex drawn straight-through and projected back after every step, the attacker's own
+  :class:`attackers.common.StraightThroughSample` and :func:`attackers.common.project_simplex`);
+- **unlearning**: ``|ε(x_t, E_θ(p)) − (ε(x_t, E_0("")) − η (ε(x_t, E_0(c)) − ε(x_t, E_0("")))|²``
+  with ``p`` the adversarial prompt (the plain concept during warm-up), plus
+  ``retain_loss_w · |ε(x_r, E_θ(r)) − ε(x_r, E_0(r))|²`` over ``retain_batch`` retain prompts
+  ``r`` (``retain_train: reg``; ``x_r`` drawn from ``r``).
+
+``E_0`` is the original text encoder, ``E_θ`` the one being trained; every ``x_t`` is drawn by
+DDIM (guidance ``start_guidance``) for a random number of ``ddim_steps`` steps from the
+original conditioning, and the loss is taken at the timestep reached. Defaults are the
+reference's README command (``--attack_init random --attack_step 30 --retain_train reg
+--train_method text_encoder_full --retain_loss_w 0.3``) on its argparse defaults: 1000
+iterations, Adam 1e-5, η 1, start guidance 3, 50 DDIM steps, 1 adversarial prefix token, PGD
+with Adam 1e-3, warm-up 200, a new attack every iteration, 5 retain prompts. The reference's
+retain set is COCO object captions; here retain prompts are templates over the domain's other
+concepts (``"<others>"``) or given prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from emma.api.method import ErasureMethod
+from emma.errors import ConfigError, UnknownChoiceError
+from emma.methods._common import (
+    autocast,
+    check_concepts,
+    cpu_generator,
+    encode_text,
+    expand_others,
+    for_domain,
+    fp32_training,
+    plain,
+    randint,
+    randn,
+    require_sd_pipeline,
+)
+from emma.methods.esd import ESDMethod
+
+ATTACK_SPACES = ("embedding", "tokens")
+ATTACK_METHODS = ("pgd", "fast_at")
+ATTACK_INITS = ("random", "latest")
+COMPONENTS = ("all", "attn", "ffn")
+
+
+def text_encoder_parameter_filter(layers: Sequence[int] | None, component: str, norm_layer: bool):
+    """Which text-encoder parameters (names inside ``text_model``) AdvUnlearn trains: the
+    transformer layers ``layers`` (``None``: all; ``component``: all of each layer, its
+    self-attention or its MLP), and the final layer norm with ``component == "all"`` over all
+    layers (the reference's ``text_encoder_full``) or with ``norm_layer``. Token and position
+    embeddings are never trained."""
+    if component not in COMPONENTS:
+        raise UnknownChoiceError("AdvUnlearn component", component, COMPONENTS)
+    wanted = None if layers is None else {int(i) for i in layers}
+
+    def keep(name: str) -> bool:
+        if name.startswith("final_layer_norm."):
+            return bool(norm_layer) or (component == "all" and wanted is None)
+        if not name.startswith("encoder.layers."):
+            return False
+        if wanted is not None and int(name.split(".")[2]) not in wanted:
+            return False
+        return component == "all" or (component == "attn" and ".self_attn." in name) or (
+            component == "ffn" and ".mlp." in name)
+
+    return keep
+
+
+class AdvUnlearnMethod(ErasureMethod):
+    """AdvUnlearn: adversarial training of the text encoder, with a retain set.
+
+    Args:
+        iterations: unlearning steps.
+        learning_rate: Adam learning rate of the text encoder.
+        layers: text-encoder layers trained (``None``: all, the reference's ``text_encoder_full``).
+        component: ``all``, ``attn`` or ``ffn`` of those layers.
+        norm_layer: also train the final layer norm when not all of every layer is trained.
+        negative_guidance / start_guidance / ddim_steps: η of the ESD target; guidance and DDIM
+            steps of the sampler that draws ``x_t``.
+        neutral_concepts: per domain, the prompt of ``ε(x_t, E_0(""))`` (``""``, as ESD).
+        retain_concepts: per domain, the concepts of the retain prompts (``"<others>"`` = the
+            domain's other concepts); ``retain_templates`` puts each in a prompt (``{}``).
+        retain_batch: retain prompts per step; retain_loss_w: their weight (0: no retain term).
+        adv_prompt_num: adversarial tokens; attack_type: where they go (UnlearnDiffAtk's insertions).
+        attack_space: ``embedding`` (continuous word embeddings) or ``tokens`` (UnlearnDiffAtk's
+            simplex over the vocabulary, hard tokens in the forward pass).
+        attack_method: ``pgd`` or ``fast_at`` (embedding space); attack_step: attack steps;
+        attack_lr: the attack's Adam learning rate; attack_weight_decay: its weight decay
+            (UnlearnDiffAtk's 0.1 in token space); attack_init: ``random`` tokens or the
+            ``latest`` attack's.
+        warmup_iter: iterations before the first attack; adv_prompt_update_step: iterations
+            between attacks.
+        progress: show a progress bar (not a hyper-parameter).
+    """
+
+    name = "advunlearn"
+    version = "1"
+    edited_components = ("text_encoder",)
+
+    def __init__(
+        self,
+        iterations: int = 1000,
+        learning_rate: float = 1e-5,
+        layers: Sequence[int] | None = None,
+        component: str = "all",
+        norm_layer: bool = False,
+        negative_guidance: float = 1.0,
+        start_guidance: float = 3.0,
+        ddim_steps: int = 50,
+        neutral_concepts: Any = "",
+        retain_concepts: Any = "<others>",
+        retain_templates: Any = "a photo of a {}",
+        retain_batch: int = 5,
+        retain_loss_w: float = 0.3,
+        adv_prompt_num: int = 1,
+        attack_type: str = "prefix_k",
+        attack_space: str = "embedding",
+        attack_method: str = "pgd",
+        attack_step: int = 30,
+        attack_lr: float = 1e-3,
+        attack_weight_decay: float = 0.0,
+        attack_init: str = "random",
+        warmup_iter: int = 200,
+        adv_prompt_update_step: int = 1,
+        progress: bool = True,
+    ) -> None:
+        from attackers.common import check_insertion
+
+        check_insertion(attack_type)
+        for value, valid, what in ((attack_space, ATTACK_SPACES, "attack_space"),
+                                   (attack_method, ATTACK_METHODS, "attack_method"),
+                                   (attack_init, ATTACK_INITS, "attack_init")):
+            if value not in valid:
+                raise UnknownChoiceError(f"AdvUnlearn {what}", value, valid)
+        layers = plain(layers)
+        text_encoder_parameter_filter(layers, component, norm_layer)
+        if int(iterations) < 0 or int(ddim_steps) < 1 or int(retain_batch) < 1 or int(adv_prompt_num) < 1 \
+                or int(attack_step) < 0 or int(adv_prompt_update_step) < 1 or int(warmup_iter) < 0:
+            raise ConfigError("AdvUnlearn needs iterations >= 0, ddim_steps >= 1, retain_batch >= 1, "
+                              "adv_prompt_num >= 1, attack_step >= 0, adv_prompt_update_step >= 1 and "
+                              f"warmup_iter >= 0; got {iterations}, {ddim_steps}, {retain_batch}, "
+                              f"{adv_prompt_num}, {attack_step}, {adv_prompt_update_step}, {warmup_iter}")
+        super().__init__(
+            iterations=int(iterations), learning_rate=float(learning_rate), layers=layers, component=component,
+            norm_layer=bool(norm_layer), negative_guidance=float(negative_guidance),
+            start_guidance=float(start_guidance), ddim_steps=int(ddim_steps),
+            neutral_concepts=plain(neutral_concepts), retain_concepts=plain(retain_concepts),
+            retain_templates=plain(retain_templates), retain_batch=int(retain_batch),
+            retain_loss_w=float(retain_loss_w), adv_prompt_num=int(adv_prompt_num), attack_type=attack_type,
+            attack_space=attack_space, attack_method=attack_method, attack_step=int(attack_step),
+            attack_lr=float(attack_lr), attack_weight_decay=float(attack_weight_decay), attack_init=attack_init,
+            warmup_iter=int(warmup_iter), adv_prompt_update_step=int(adv_prompt_update_step),
+        )
+        self.progress = bool(progress)
+        # hard-token attacks of the last erase (attack_space tokens): token ids and text
+        self.adversarial_ids: list[list[int]] = []
+        self.adversarial_prompts: list[str] = []
+
+    def retain_prompts(self, concepts: Sequence[str], domain: str | None) -> list[str]:
+        """The retain prompts: every template over every retain concept."""
+        hp = self.hparams
+        names = expand_others(for_domain(hp["retain_concepts"], domain, what="AdvUnlearn retain_concepts"),
+                              domain, concepts)
+        t = for_domain(hp["retain_templates"], domain, what="AdvUnlearn retain_templates")
+        templates = [t] if isinstance(t, str) else list(t or [])
+        if not names or not templates or any(x.count("{}") > 1 for x in templates):
+            raise ConfigError(f"AdvUnlearn needs retain concepts (got {names!r} for domain {domain!r} once the "
+                              f"erased concepts are removed) and templates with at most one '{{}}' (got {templates!r})")
+        return [x.format(n) if "{}" in x else x for n in names for x in templates]
+
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+        """Fine-tune ``pipe.text_encoder`` in place so that no prompt found by the attack (nor
+        the concept's own) draws ``concepts``."""
+        from diffusers import DDIMScheduler
+
+        from emma.attack import DiffusersWhiteBox
+
+        require_sd_pipeline(pipe, "AdvUnlearn")
+        concepts = check_concepts(concepts, pipe.tokenizer, method="AdvUnlearn")
+        hp = self.hparams
+        neutral = for_domain(hp["neutral_concepts"], domain, what="AdvUnlearn neutral_concepts")
+        if not isinstance(neutral, str):
+            raise ConfigError(f"AdvUnlearn neutral_concepts for domain {domain!r} must be a string, got {neutral!r}")
+        retain = self.retain_prompts(concepts, domain)
+        gen = cpu_generator(seed)
+        unet, enc = pipe.unet, pipe.text_encoder
+        device, dtype = unet.device, unet.dtype
+        frozen_before = {c: {n: p.requires_grad for n, p in getattr(pipe, c).named_parameters()}
+                         for c in ("unet", "vae")}
+
+        # Everything the original text encoder says, computed once (the UNet is frozen, so
+        # the original model's predictions need no copy of it).
+        cond0 = encode_text(pipe, concepts).float()
+        blank0 = encode_text(pipe, [""]).float()
+        neutral0 = encode_text(pipe, [neutral]).float()
+        retain0 = encode_text(pipe, retain).float()
+        sampler = DDIMScheduler.from_config(pipe.scheduler.config)
+        sampler.set_timesteps(hp["ddim_steps"], device="cpu")
+        timesteps = sampler.timesteps.clone()
+        size = unet.config.sample_size
+        shape = (unet.config.in_channels, size, size)
+        eta = hp["negative_guidance"]
+
+        def draw(cond: torch.Tensor, k: int) -> torch.Tensor:
+            z = randn((len(cond), *shape), gen, device=device) * sampler.init_noise_sigma
+            return ESDMethod._sample_until(unet, sampler, timesteps[:k], z, cond, blank0.expand(len(cond), -1, -1),
+                                           hp["start_guidance"], dtype)
+
+        def predict(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+            with autocast(device, dtype):
+                return unet(x.to(dtype), t, encoder_hidden_states=ctx.to(dtype)).sample.float()
+
+        with fp32_training(enc):
+            wb = DiffusersWhiteBox(pipe)  # freezes every component; the chosen encoder weights thaw below
+            tm = enc.text_model if hasattr(enc, "text_model") else enc
+            keep = text_encoder_parameter_filter(hp["layers"], hp["component"], hp["norm_layer"])
+            params = [p for n, p in tm.named_parameters() if keep(n)]
+            if not params:
+                raise ConfigError(f"AdvUnlearn: layers={hp['layers']} component={hp['component']!r} selects no "
+                                  "text-encoder parameter")
+            for p in params:
+                p.requires_grad_(True)
+            opt = torch.optim.Adam(params, lr=hp["learning_rate"])
+            adv = None  # the current adversarial prompt: (sequences, slot embeddings or simplex)
+            self.adversarial_ids, self.adversarial_prompts = [], []
+            i_c = 0
+            bar = tqdm(range(hp["iterations"]), desc="AdvUnlearn", disable=not self.progress)
+            for it in bar:
+                if it % hp["adv_prompt_update_step"] == 0:
+                    i_c = randint(len(concepts), gen)
+                    if it >= hp["warmup_iter"] and hp["attack_step"] > 0:
+                        adv = self._attack(wb, concepts[i_c], cond0[i_c : i_c + 1], draw, predict, timesteps,
+                                           gen, adv if hp["attack_init"] == "latest" else None)
+                # unlearning step on the adversarial prompt (the plain concept before the first attack)
+                k = randint(hp["ddim_steps"], gen)
+                t = timesteps[k].to(device)
+                with torch.no_grad():
+                    xt = draw(cond0[i_c : i_c + 1], k)
+                    e_0 = predict(xt, t, neutral0)
+                    e_p = predict(xt, t, cond0[i_c : i_c + 1])
+                    target = e_0 - eta * (e_p - e_0)
+                if adv is None:
+                    emb_n = enc(wb.token_ids([concepts[i_c]]))[0]
+                else:
+                    emb_n = wb.encode_embeds(self._adv_embeds(wb, adv))
+                loss = unlearn = F.mse_loss(predict(xt, t, emb_n), target)
+                if hp["retain_loss_w"] > 0:
+                    idx = [randint(len(retain), gen) for _ in range(hp["retain_batch"])]
+                    with torch.no_grad():
+                        xr = draw(retain0[idx], k)
+                        r_p = predict(xr, t, retain0[idx])
+                    r_n = predict(xr, t, enc(wb.token_ids([retain[j] for j in idx]))[0])
+                    loss = loss + hp["retain_loss_w"] * F.mse_loss(r_n, r_p)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                bar.set_postfix(unlearn=f"{unlearn.item():.4g}", loss=f"{loss.item():.4g}", k=k)
+        for c, flags in frozen_before.items():  # the white box froze them for the attack
+            for n, p in getattr(pipe, c).named_parameters():
+                p.requires_grad_(flags[n])
+        return pipe
+
+    # ------------------------------------------------------------------ the attack in the loop
+    def _adv_embeds(self, wb: Any, adv: dict[str, Any], gen: torch.Generator | None = None) -> torch.Tensor:
+        """The adversarial prompt's token embeddings: while attacking, differentiable in the
+        attack's variable (``gen`` draws the straight-through tokens); after it, its result
+        (``adv["slot"]``: the embeddings, or the argmax tokens' embeddings)."""
+        from attackers.common import StraightThroughSample
+
+        base = wb.embed_ids(adv["seqs"].ids.to(wb.device)).float()
+        if "slot" in adv:
+            slot = adv["slot"]
+        elif adv["space"] == "embedding":
+            slot = adv["var"]
+        else:
+            one_hot = StraightThroughSample.apply(adv["var"], gen)
+            slot = one_hot @ wb.token_embedding_matrix().float()
+        return adv["seqs"].embed(base, slot)
+
+    def _attack(self, wb: Any, concept: str, cond0: torch.Tensor, draw: Any, predict: Any,
+                timesteps: torch.Tensor, gen: torch.Generator, latest: dict[str, Any] | None) -> dict[str, Any]:
+        """Optimise the adversarial tokens against the current text encoder (weights untouched)."""
+        from attackers.common import build_sequences, layout, project_simplex
+
+        hp = self.hparams
+        k_adv = hp["adv_prompt_num"]
+        prompt_ids = wb.tokenizer(concept, truncation=False).input_ids[1:-1]
+        seqs = build_sequences([layout(prompt_ids, k_adv, hp["attack_type"])], wb.context_length, wb.bos_token_id,
+                               wb.eos_token_id, wb.pad_token_id,
+                               what=f"AdvUnlearn adv_prompt_num={k_adv} on {concept!r}")
+        vocab = wb.token_embedding_matrix().float()
+        if latest is not None:
+            init = latest["var"].detach().clone()
+        elif hp["attack_space"] == "embedding":  # random vocabulary tokens (the reference's random init)
+            init = vocab[torch.randint(0, vocab.shape[0], (1, k_adv), generator=gen)].clone()
+        else:  # UnlearnDiffAtk starts each token at the uniform point of the simplex
+            init = torch.full((1, k_adv, vocab.shape[0]), 1.0 / vocab.shape[0])
+        var = torch.nn.Parameter(init.to(wb.device))
+        adv = {"seqs": seqs, "space": hp["attack_space"], "var": var}
+        opt = torch.optim.Adam([var], lr=hp["attack_lr"], weight_decay=hp["attack_weight_decay"])
+        enc_grad = [p.requires_grad for p in wb.text_encoder.parameters()]
+        wb.text_encoder.requires_grad_(False)
+        try:
+            for _ in range(hp["attack_step"]):
+                k = randint(hp["ddim_steps"], gen)
+                t = timesteps[k].to(wb.device)
+                with torch.no_grad():
+                    xt = draw(cond0, k)
+                    e_p = predict(xt, t, cond0)
+                e_n = predict(xt, t, wb.encode_embeds(self._adv_embeds(wb, adv, gen)))
+                loss = F.mse_loss(e_n, e_p)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if hp["attack_space"] == "embedding" and hp["attack_method"] == "fast_at":
+                    var.grad.sign_()
+                opt.step()
+                if hp["attack_space"] == "tokens":
+                    with torch.no_grad():
+                        var.data = project_simplex(var.data)
+        finally:
+            for p, g in zip(wb.text_encoder.parameters(), enc_grad):
+                p.requires_grad_(g)
+        if hp["attack_space"] == "tokens":
+            hard = var.data.argmax(-1)
+            adv["slot"] = vocab[hard]
+            ids = seqs.fill(hard.cpu())[0].tolist()
+            self.adversarial_ids.append(ids)
+            self.adversarial_prompts.append(wb.decode_ids(ids))
+        else:
+            adv["slot"] = var.data.detach().clone()
+        return adv
