@@ -14,7 +14,7 @@ concept ``c`` (redrawn every ``adv_prompt_update_step`` iterations):
   ``word_embd``; ``attack_method`` ``pgd`` = Adam steps, ``fast_at`` = Adam on the gradient's
   sign) or UnlearnDiffAtk's hard tokens (``attack_space: tokens``: points on the vocabulary
   simplex drawn straight-through and projected back after every step, the attacker's own
-  :class:`attackers.common.StraightThroughSample` and :func:`attackers.common.project_simplex`);
+  :class:`emma.token_search.StraightThroughSample` and :func:`emma.token_search.project_simplex`);
 - **unlearning**: ``|ε(x_t, E_θ(p)) − (ε(x_t, E_0("")) − η (ε(x_t, E_0(c)) − ε(x_t, E_0("")))|²``
   with ``p`` the adversarial prompt (the plain concept during warm-up), plus
   ``retain_loss_w · |ε(x_r, E_θ(r)) − ε(x_r, E_0(r))|²`` over ``retain_batch`` retain prompts
@@ -144,7 +144,7 @@ class AdvUnlearnMethod(ErasureMethod):
         adv_prompt_update_step: int = 1,
         progress: bool = True,
     ) -> None:
-        from attackers.common import check_insertion
+        from emma.token_search import check_insertion
 
         check_insertion(attack_type)
         for value, valid, what in ((attack_space, ATTACK_SPACES, "attack_space"),
@@ -285,7 +285,7 @@ class AdvUnlearnMethod(ErasureMethod):
         """The adversarial prompt's token embeddings: while attacking, differentiable in the
         attack's variable (``gen`` draws the straight-through tokens); after it, its result
         (``adv["slot"]``: the embeddings, or the argmax tokens' embeddings)."""
-        from attackers.common import StraightThroughSample
+        from emma.token_search import StraightThroughSample
 
         base = wb.embed_ids(adv["seqs"].ids.to(wb.device)).float()
         if "slot" in adv:
@@ -300,7 +300,7 @@ class AdvUnlearnMethod(ErasureMethod):
     def _attack(self, wb: Any, concept: str, cond0: torch.Tensor, draw: Any, predict: Any,
                 timesteps: torch.Tensor, gen: torch.Generator, latest: dict[str, Any] | None) -> dict[str, Any]:
         """Optimise the adversarial tokens against the current text encoder (weights untouched)."""
-        from attackers.common import build_sequences, layout, project_simplex
+        from emma.token_search import build_sequences, layout, project_simplex
 
         hp = self.hparams
         k_adv = hp["adv_prompt_num"]
