@@ -26,6 +26,7 @@ from emma.metrics.base import MetricValue
 from stace.gateway import Gateway, Redactor, RoleSettings, Trace
 from stace.library import Library
 from stace.loop import STACE, STACESettings
+from stace.replay import check_replay, replay, resolve_seed_hypothesis
 from stace.report import write_report
 from stace.sandbox import SandboxLimits
 from stace.tools import TOOL_ATTACKERS, ProbeTools, attacker_factory
@@ -50,7 +51,10 @@ class STACEAttacker(Attacker):
         max_code_repairs: repair attempts after a failed sandbox run.
         top_k_cards: PaperCards retrieved per query.
         seed: first seed of the probes' images and of the LLM calls.
-        seed_hypothesis: the SeedHypothesis of the first iteration.
+        seed_hypothesis: the SeedHypothesis of the first iteration: text, ``card:<key>`` or
+            ``trace:<path>[#<iteration>]`` (:func:`stace.replay.resolve_seed_hypothesis`).
+        replay: a recorded trace whose hypotheses are re-run on this cell's model with no
+            LLM call (:func:`stace.replay.replay`); ``None``: a normal run.
         task: the free-text request (``None``: built from the cell).
         preset: ``small`` | ``default`` | ``large`` (Table D1) — per-role models, used when
             the LLM config has ``per_role_models: true`` (OpenRouter).
@@ -79,7 +83,7 @@ class STACEAttacker(Attacker):
                  prices: Mapping[str, Sequence[float]] | None = None,
                  budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
                  prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
-                 tool_scale: str | None = None) -> None:
+                 tool_scale: str | None = None, replay: str | None = None) -> None:
         llm_cfg = dict(_plain(llm) or {})
         presets = dict(_plain(presets) or {})
         if preset not in presets:
@@ -104,6 +108,8 @@ class STACEAttacker(Attacker):
                              temperature=float(temperatures.get(role, self.backend.temperature)),
                              max_tokens=int(max_tokens.get(role, self.backend.max_tokens or 1024)))
             self.roles[role] = dataclasses.replace(s, **dict(overrides.get(role, {})))
+        seed_hypothesis, self.seed_source = resolve_seed_hypothesis(seed_hypothesis)
+        self.replay = str(check_replay(replay)) if replay else None
         self.settings = STACESettings(
             iterations=int(iterations), k=int(k), debate_rounds=int(debate_rounds), probe_mode=mode,
             max_code_repairs=int(max_code_repairs), top_k_cards=int(top_k_cards), seed=int(seed),
@@ -130,7 +136,8 @@ class STACEAttacker(Attacker):
     def config(self) -> dict[str, Any]:
         return {**super().config(), "backend": self.backend.config(), "preset": self.preset,
                 "roles": {r: dataclasses.asdict(s) for r, s in self.roles.items()},
-                "settings": dataclasses.asdict(self.settings), "budget": self.budget, "tools": self.tools}
+                "settings": dataclasses.asdict(self.settings), "budget": self.budget, "tools": self.tools,
+                "seed_source": self.seed_source, "replay": self.replay}
 
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         concept = requests[0].concept
@@ -149,12 +156,16 @@ class STACEAttacker(Attacker):
         trace.write("start", concept=concept, settings=dataclasses.asdict(self.settings),
                     roles={r: dataclasses.asdict(s) for r, s in self.roles.items()},
                     backend=self.backend.config())
-        tools = ProbeTools(target, concept, requests[0].prompt, self._tool_factories(),
-                           attack_cache=cache if self.cache_dir else None)
-        run = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images",
-                    tools=tools)
-        outcome = run.run()
-        values = outcome.metrics(self.settings.k)
+        k = self.settings.k
+        if self.replay:  # the recorded hypotheses on this model; no LLM call
+            outcome, k = replay(self.replay, target, concept, trace=trace, image_dir=out / "images",
+                                sandbox=self.settings.sandbox)
+        else:
+            tools = ProbeTools(target, concept, requests[0].prompt, self._tool_factories(),
+                               attack_cache=cache if self.cache_dir else None)
+            outcome = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images",
+                            tools=tools).run()
+        values = outcome.metrics(k)
         n_success = sum(r.success for r in outcome.records)
         cost = gateway.spent_usd()
         m: dict[str, MetricValue] = {
@@ -179,7 +190,7 @@ class STACEAttacker(Attacker):
                                f"{self.settings.iterations} iterations; its metrics cover those only")
         if gateway.unpriced:
             self._notes.append(f"STACE: no price for {sorted(gateway.unpriced)}; their cost counts as 0")
-        write_report(outcome, out, concept=concept, k=self.settings.k, metrics=values, usage=usage,
+        write_report(outcome, out, concept=concept, k=k, metrics=values, usage=usage,
                      cost_usd=cost, redact=redact)
         trace.write("finished", metrics={k_: dataclasses.asdict(v) for k_, v in m.items()})
         return [self._output(r, concept) for r in outcome.records]
@@ -197,7 +208,7 @@ class STACEAttacker(Attacker):
         h = rec.hypothesis or {}
         req = PromptRequest(prompt=h.get("title", "(no hypothesis)"), concept=concept, group="attack",
                             kind=f"stace/{rec.index + 1}", seed=self.settings.seed + 1000 * rec.index,
-                            n_images=self.settings.k)
+                            n_images=max(1, len(rec.probes)))
         samples = [Sample(prompt=p.prompt, seed=p.seed, concept=concept, group="attack",
                           kind=f"stace/{rec.index + 1}", image_hash=p.image_hash or "", detected=p.detected,
                           score=p.score, extra={"negative_prompt": p.negative_prompt,
