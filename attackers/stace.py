@@ -173,6 +173,8 @@ class STACEAttacker(Attacker):
             "stace/eii": MetricValue(value=values["eii"], n=len(outcome.records)),
             "stace/cost_usd": MetricValue(value=cost, n=len(outcome.records)),
             "stace/cost_per_success_usd": MetricValue(value=cost / n_success if n_success else None, n=n_success),
+            "stace/cost_per_iteration_usd": MetricValue(value=cost / len(outcome.records) if outcome.records else None,
+                                                        n=len(outcome.records)),
             "asr": values["sir_h"],
         }
         if values["novelty"] is not None:

@@ -3,7 +3,8 @@
 - ``methods``: one row per cell (model, method, concept, attacker), EMMA-style columns: EA
   per prompt type, RA, FID, bias, timing — every metric the cells carry except attack ones.
 - ``attacks``: one row per cell that ran an attacker other than the static suite, or that has
-  STACE metrics: ASR before/after the attack and SIR_H / SIR_I / EII / SER when present.
+  STACE metrics: ASR before/after the attack, SIR_H / SIR_I / EII / SER and the LLM's cost
+  (``stace/cost_*``, the LLM baselines' ``llm/*``) when present.
 - ``asr``: attacker x method, ASR averaged over the concepts (the plotted matrix).
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from leaderboards.collect import Cell
 
-ATTACK_KEYS = re.compile(r"^(asr($|/)|stace/|sir_h|sir_i|eii|ser($|/))", re.I)
+ATTACK_KEYS = re.compile(r"^(asr($|/)|stace/|llm/|sir_h|sir_i|eii|ser($|/))", re.I)
 STACE_KEYS = re.compile(r"(^|/)(sir_h|sir_i|eii|ser)($|/)", re.I)
 ORDER = ["ea/", "ra/", "fid", "bias/", "time/"]
 
