@@ -6,14 +6,18 @@ against scipy's)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT, run_env
 from scipy.stats import binomtest
 from stace_server import ScriptedChatServer
 
 from emma.api.types import GeneratedImages, PromptRequest
 from emma.errors import ConfigError
+from emma.pipelines import TINYWORLD_DIR
 
 
 class FakeTarget:
@@ -192,3 +196,47 @@ def test_bad_settings_are_config_errors(cls, kw, match):
     llm = {"_target_": "stace.llm.LLMClient", "model": "m", "base_url": "http://127.0.0.1:9/v1", "api_key_env": None}
     with pytest.raises(ConfigError, match=match):
         klass(llm=llm, **kw)
+
+
+@pytest.mark.parametrize("name", ["redteam_llm.RedTeamLLMAttacker", "coreference.CoreferenceAttacker",
+                                  "jailfuzzer.JailFuzzerAttacker"])
+def test_each_baseline_spends_exactly_its_100_image_budget(name, tmp_path):
+    import importlib
+
+    mod, cls = name.split(".")
+    klass = getattr(importlib.import_module(f"attackers.{mod}"), cls)
+
+    def reply(body, n):  # fresh prompts every call; the first of each says 'disc'
+        items = [f"a disc {n}" if j == 0 else f"a box {n}.{j}" for j in range(10)]
+        return {"prompts": items, "expressions": items}
+
+    with ScriptedChatServer(reply) as srv:
+        att = _make(klass, srv.url, tmp_path)
+        outs = att.attack(FakeTarget(), _requests("an image of a circle", "a circle"))
+    samples = [s for o in outs for s in o.samples]
+    assert att.images == 100 and len(samples) == 100
+    _check_sir_i(att, outs, 100, sum("disc" in s.prompt for s in samples))
+
+
+@pytest.mark.skipif(not TINYWORLD_DIR.exists(), reason="tiny-world assets not built")
+def test_a_baseline_in_a_tiny_world_cell(tmp_path):
+    """coreference through `python -m emma.run` (tiny preset: 12 images) on UCE's circle."""
+    expressions = ["a disc", "a round coin", "a ring", "a round blob", "a circle"]
+    out = tmp_path / "cell"
+    with ScriptedChatServer(lambda body, n: {"expressions": expressions}) as srv:
+        proc = subprocess.run(
+            [sys.executable, "-m", "emma.run", "method=uce", "attacker=coreference", "llm=local",
+             f"llm.base_url={srv.url}", "images_per_prompt=1", "prompt_types=[name]", "metrics=rates_only",
+             f"hydra.run.dir={out}"], cwd=ROOT, env=run_env(tmp_path / "cache"), capture_output=True, text=True,
+            timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert len(srv.requests) == 1  # 4 usable expressions ('a circle' names the concept) at once
+    lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    attack = [x for x in lines if x["group"] == "attack"]
+    assert len(attack) == 12 and len({x["seed"] for x in attack}) == 12
+    assert {x["prompt"] for x in attack} == {f"an image of {e}" for e in expressions[:4]}
+    m = json.loads((out / "results.json").read_text())["metrics"]
+    assert m["sir_i"]["n"] == 12 and m["sir_i"]["value"] == pytest.approx(sum(x["detected"] for x in attack) / 12)
+    assert m["llm/calls"]["value"] == 1 and m["llm/tokens"]["value"] == 120
+    trace = [json.loads(x) for x in (out / "coreference" / "trace.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in trace][0] == "start" and trace[-1]["event"] == "finished"
