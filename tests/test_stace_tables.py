@@ -73,3 +73,33 @@ def test_table3_splits_esd_by_strength_and_debate_rows_by_m(tmp_path, capsys):
     assert _cell(tdeb, "M=2", "avg Nov(H)")["n"] == 1
     assert main([str(tmp_path / "nothing-here")]) == 2
     assert "nothing-here: no such file" in capsys.readouterr().err
+
+
+def test_paper_experiments_compose_and_every_task_is_a_concept_of_its_domain():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from emma.config import register_configs
+    from tests.conftest import ROOT
+
+    conf = ROOT / "conf"
+    tasks = str(OmegaConf.load(conf / "experiment" / "stace_table2.yaml")
+                .hydra.sweeper.params["+experiment/stace_task"]).split(",")
+    assert len(tasks) == 10
+    for exp in ("stace_table3", "stace_debate"):  # the same ten tasks
+        params = OmegaConf.load(conf / "experiment" / f"{exp}.yaml").hydra.sweeper.params
+        assert str(params["+experiment/stace_task"]).split(",") == tasks
+    for task in tasks:  # each task file names a concept of the domain it selects
+        t = OmegaConf.load(conf / "experiment" / "stace_task" / f"{task}.yaml")
+        domain = t.defaults[0]["override /domain"]
+        names = [c["name"] for c in OmegaConf.load(conf / "domain" / f"{domain}.yaml").concepts]
+        assert t.concept in names, task
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=stace_table2", "+experiment/stace_task=superman"])
+        assert (cfg.model.name, cfg.domain.name, cfg.concept) == ("sd14", "ip", "superman")
+        for exp in ("stace_table2_tinyworld", "stace_table3_tinyworld", "stace_debate_tinyworld"):
+            assert compose(config_name="config", overrides=[f"experiment={exp}"]).model.name == "tinyworld"
+    GlobalHydra.instance().clear()
