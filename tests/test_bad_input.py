@@ -136,7 +136,7 @@ CELL_CASES = [
     ("group-not-axis", ["+preset=esd_tiny"], ["+preset=esd_tiny", "'preset' is not an axis", "axes: model, method"], 1),
     ("override-parse", ["concept=[a"], ["concept=[a", "does not parse"], 1),
     ("overwrite-not-bool", ["overwrite=maybe"], ["overwrite=maybe"], 1),
-    ("method-choice", ["method=esdd"], ["unknown method 'esdd'. Did you mean 'esd'", "Available: ca, ca_model"], 1),
+    ("method-choice", ["method=esdd"], ["unknown method 'esdd'. Did you mean 'esd'", "Available: ", " ca, ca_model, checkpoint,"], 1),
     ("domain-choice", ["domain=tinyworl"], ["unknown domain 'tinyworl'", "Available:"], 1),
     ("model-choice", ["model=sd15"], ["unknown model 'sd15'", "Available:"], 1),
     ("choice-and-value", ["method=esdd", "images_per_prompt=0"], ["2 invalid settings", "unknown method 'esdd'",
