@@ -374,9 +374,10 @@ def test_cli_refuses_a_run_dir_with_results_and_nan_checkpoint(precious, tmp_pat
 
 def test_ctrl_c_keeps_the_cache_and_says_how_to_resume(tmp_path):
     cache = tmp_path / "cache"
-    # 13 prompts x 20 images: enough that a fast machine cannot finish before the interrupt
-    args = [*TINY, "images_per_prompt=20", "prompt_types=[name,variant,short,random]", "model.batch_size=2"]
-    total = 13 * 20
+    # 13 prompts x 60 images: a quiet machine draws ~55 images/s, and the cache's files appear
+    # behind the generator, so 260 images were finished before the interrupt landed
+    args = [*TINY, "images_per_prompt=60", "prompt_types=[name,variant,short,random]", "model.batch_size=2"]
+    total = 13 * 60
     proc = subprocess.Popen([sys.executable, "-m", "emma.run", *args, f"hydra.run.dir={tmp_path / 'a'}"],
                             cwd=ROOT, env=run_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

@@ -23,8 +23,9 @@ P4D_TINY = {"n_tokens": 4, "iterations": 3, "eval_every": 2, "early_stop": False
 def target(tmp_path_factory):
     """The tiny world, not erased, as a cell's attack target (base model = the same weights)."""
     from classifiers.tinyworld import TinyWorldClassifier
-    from emma.attack import CellAttackTarget, LazyBaseModel
+    from emma.attack import CellAttackTarget, LazyBaseModel, domain_prompt_texts
     from emma.cache import ClassifierScoreCache, ImageCache
+    from emma.domains.tinyworld import tinyworld_domain
     from emma.generate import CachedGenerator, Judge
     from emma.pipelines import fingerprint, load_pipeline
 
@@ -40,8 +41,9 @@ def target(tmp_path_factory):
     fp = fingerprint(pipe)
     clf = TinyWorldClassifier()
     base = LazyBaseModel(lambda: pipe, fp, make)
+    # as a cell gives it: the domain's prompts too (the tiny presets search their tokens)
     return CellAttackTarget(make(pipe, fp), Judge(clf, ClassifierScoreCache(cache, clf)), base=base,
-                            model_name="tinyworld")
+                            model_name="tinyworld", domain_prompts=lambda: domain_prompt_texts(tinyworld_domain()))
 
 
 def _session(target, tmp_path, attackers=None):
