@@ -15,6 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 
+def user_message(body: dict) -> str:
+    """The last user message of a chat-completions request body."""
+    return [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
+
+
 class Fault:
     """A scripted failure: ``status`` (an HTTP error) or ``delay_s`` (then the ``text``)."""
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, run_env
-from stace_server import Fault, ScriptedChatServer
+from stace_server import Fault, ScriptedChatServer, user_message
 
 FAKE_KEY = "sk-PLANTED-fake-key-7f3a9c21e5"
 KEY_ENV = "EMMA_TEST_STACE_KEY"
@@ -54,10 +54,6 @@ def _escape_code(port: int, repair: bool) -> str:
             "print(open('/proc/%d/environ' % os.getppid()).read())\n")
 
 
-def _user(body) -> str:
-    return [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
-
-
 def make_reply(port_box: list[int]):
     def reply(body, n):
         model = body["model"]
@@ -73,10 +69,10 @@ def make_reply(port_box: list[int]):
         if model == "m-hyp":
             if n == 0:
                 return Fault(status=429)
-            it = _user(body).count("- iteration ")
+            it = user_message(body).count("- iteration ")
             return HYPOTHESES[it]
         if model == "m-code":
-            text = _user(body)
+            text = user_message(body)
             title = next(h["title"] for h in HYPOTHESES if h["title"] in text)
             if title in CODE:
                 return {"explanation": "as the hypothesis says", "code": CODE[title]}
@@ -278,7 +274,7 @@ class FakeTarget:
 
 def _plan_reply(body, n):
     model = body["model"]
-    user = _user(body)
+    user = user_message(body)
     if model == "m-task":
         return {"target_concept": "circle", "category": "shape", "erased_model": "x", "erasure_method": "y",
                 "evaluator": "fake", "success_criterion": "c"}

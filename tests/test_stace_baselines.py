@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, run_env
 from scipy.stats import binomtest
-from stace_server import ScriptedChatServer
+from stace_server import ScriptedChatServer, user_message
 
 from emma.api.types import GeneratedImages, PromptRequest
 from emma.errors import ConfigError
@@ -54,10 +54,6 @@ class FakeTarget:
         return probs[:, 0] > 0.5
 
 
-def _user(body) -> str:
-    return [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
-
-
 def _make(cls, url, tmp_path, **kw):
     llm = {"_target_": "stace.llm.LLMClient", "model": "m-llm", "base_url": url, "api_key_env": None,
            "timeout": 5, "max_retries": 1, "backoff_s": 0.01, "max_tokens": 512}
@@ -93,7 +89,7 @@ def test_redteam_spends_100_images_on_100_llm_prompts(tmp_path):
         outs = att.attack(target, _requests("an image of a circle"))
         reqs = list(srv.requests)
     assert len(reqs) == 10  # 100 prompts / 10 per call
-    assert "a box, take 0.9" in _user(reqs[1]) and "Write 10 new adversarial prompts" in _user(reqs[1])
+    assert "a box, take 0.9" in user_message(reqs[1]) and "Write 10 new adversarial prompts" in user_message(reqs[1])
     assert len(outs) == 100 and all(len(o.samples) == 1 for o in outs)
     assert outs[0].adversarial_prompt == "a disc, take 0.0" and outs[0].success
     _check_sir_i(att, outs, 100, 30)
@@ -130,7 +126,7 @@ def test_coreference_drops_the_name_and_spreads_the_budget(tmp_path):
                     templates=["{expression}", "an image of {expression}"])
         outs = att.attack(FakeTarget(), _requests("an image of a circle"))
         reqs = list(srv.requests)
-    assert len(reqs) == 2 and "Write 1 expressions" in _user(reqs[1]) and "- a ring" in _user(reqs[1])
+    assert len(reqs) == 2 and "Write 1 expressions" in user_message(reqs[1]) and "- a ring" in user_message(reqs[1])
     prompts = {o.adversarial_prompt: len(o.samples) for o in outs}
     # 'the Circle sign' names the concept: dropped; the 5th expression came from the second call
     assert set(prompts) == {f"{t}{e}" for t in ("", "an image of ")
@@ -159,7 +155,7 @@ def test_jailfuzzer_mutates_the_best_seed_with_oracle_feedback(tmp_path):
     for req, op, parent in ((reqs[0], "rephrase", "(oracle score 0.0): an image of a circle"),
                             (reqs[1], "synonym", "(oracle score 0.3): a round shape"),
                             (reqs[2], "describe", "(oracle score 0.9): a round disc")):
-        assert f"Operator: {op}" in _user(req) and f"Seed prompt {parent}" in _user(req)
+        assert f"Operator: {op}" in user_message(req) and f"Seed prompt {parent}" in user_message(req)
     rendered = [s.prompt for o in outs for s in o.samples]
     assert sorted(rendered) == sorted(["an image of a circle", "a circle", "a round shape", "a square shape",
                                        "a plain shape", "a round disc", "a disc", "a box"] + ["a round disc"] * 3)

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, run_env
-from stace_server import ScriptedChatServer
+from stace_server import ScriptedChatServer, user_message
 
 from emma.api.types import GeneratedImages, PromptRequest
 from emma.errors import ConfigError, EmmaError
@@ -68,10 +68,6 @@ class DiscModel:
         return probs[:, 0] > 0.5
 
 
-def _user(body) -> str:
-    return [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
-
-
 def reply(body, n):
     model = body["model"]
     if model == "m-task":
@@ -80,9 +76,9 @@ def reply(body, n):
     if model == "m-query":
         return {"queries": ["synonym attack on erased concept"]}
     if model == "m-hyp":
-        return HYPOTHESES[_user(body).count("- iteration ")]
+        return HYPOTHESES[user_message(body).count("- iteration ")]
     if model == "m-code":
-        title = next(h["title"] for h in HYPOTHESES if h["title"] in _user(body))
+        title = next(h["title"] for h in HYPOTHESES if h["title"] in user_message(body))
         return {"explanation": "as the hypothesis says", "code": CODE[title]}
     if model == "m-exp":
         return {"target_type": "shape", "strategy": "s", "outcome": "o", "lesson": "l"}
@@ -142,7 +138,7 @@ def test_a_trace_hypothesis_seeds_the_generator(recorded, tmp_path):
     with ScriptedChatServer(reply) as srv:
         _attacker(srv.url, tmp_path, iterations=1, seed_hypothesis=f"trace:{recorded}#2").attack(DiscModel(), REQ)
         hyp = srv.by_model("m-hyp")
-    assert "Seed hypothesis: Negative-prompt exclusion: Exclude every other shape" in _user(hyp[0])
+    assert "Seed hypothesis: Negative-prompt exclusion: Exclude every other shape" in user_message(hyp[0])
 
 
 def test_replay_of_another_concept_is_refused(recorded, tmp_path):
