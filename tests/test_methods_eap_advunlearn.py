@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from emma.errors import ConfigError, EmmaError, WeightsUnavailableError
+from emma.errors import ConfigError, EmmaError
 from emma.methods.advunlearn import AdvUnlearnMethod, text_encoder_parameter_filter
 from emma.methods.eap import (
     EAPMethod,
@@ -268,38 +268,8 @@ def test_advunlearn_retain_prompts_and_errors():
         AdvUnlearnMethod(attack_type="everywhere")
 
 
-# --------------------------------------------------------------------------- model=sd14
-SMALL_SD = {
-    "eap": ["method.iterations=2", "method.ddim_steps=3", "method.vocabulary=[disc,ring,square,box,star]",
-            "method.k_closest=4", "method.num_centers=2"],
-    "advunlearn": ["method.iterations=2", "method.warmup_iter=1", "method.attack_step=1", "method.ddim_steps=3",
-                   "method.retain_batch=1"],
-}
-
-
-@pytest.mark.parametrize("name", list(SMALL_SD))
-def test_sd14_configs_erase_a_tiny_sd_of_the_same_classes(base, tmp_path, name):
-    from hydra import compose, initialize_config_dir
-
-    from emma.cell import run_cell
-    from emma.config import register_configs
-
-    register_configs()
-    folder = tmp_path / "sd14-like"
-    base.save_pretrained(folder)
-    common = ["model=sd14", f"method={name}", "model.device=cpu", "model.dtype=float32", "metrics=rates_only",
-              "prompt_types=[name]", "images_per_prompt=1", "model.num_inference_steps=2",
-              "model.height=32", "model.width=32", f"paths.cache_dir={tmp_path / 'cache'}", *SMALL_SD[name]]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        offline = compose(config_name="config", overrides=common)
-        local = compose(config_name="config", overrides=[*common, f"model.pretrained={folder}"])
-    assert offline.method.get("_target_")  # the paper's defaults, no tiny-world preset
-    with pytest.raises(WeightsUnavailableError, match="huggingface-cli download"):
-        run_cell(offline, tmp_path / "offline")
-    res = run_cell(local, tmp_path / "out")
-    model = res.versions["model"]
-    assert model["erased_fingerprint"] != model["base_fingerprint"]
-    assert res.versions["components"]["method"]["version"] == "1"
+# model=sd14 plumbing for EAP and AdvUnlearn: tests/test_methods_more.py (SMALL_SD), with the
+# other methods of this family.
 
 
 def test_advunlearn_erased_text_encoder_is_cached_and_reloaded(base, tmp_path):

@@ -320,6 +320,10 @@ SMALL_SD = {
     "salun": ["method.num_images=2", "method.train_batch_size=2", "method.epochs=1", "method.sample_steps=2"],
     "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1",
             "method.lr_warmup_steps=0"],
+    "eap": ["method.iterations=2", "method.ddim_steps=3", "method.vocabulary=[disc,ring,square,box,star]",
+            "method.k_closest=4", "method.num_centers=2"],
+    "advunlearn": ["method.iterations=2", "method.warmup_iter=1", "method.attack_step=1", "method.ddim_steps=3",
+                   "method.retain_batch=1"],
 }
 
 
