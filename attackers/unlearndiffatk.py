@@ -15,7 +15,12 @@ not attacked.
 This implementation runs that loop for a batch of requests at once (one UNet and text
 encoder call per step for all of them, each with its own tokens, noise and Adam state; a
 request leaves the batch when it succeeds), encodes each reference image once, and draws the
-success checks of a batch in one generation call. The reference images are the base model's
+success checks of a batch in one generation call. With ``timestep_batch`` = B > 1 it also
+batches timesteps: B consecutive timesteps form one stage, each step evaluates the denoising
+loss at all B of them in one UNet call (the text encoder's output is computed once and shared)
+and descends on their mean, and the hard tokens are checked after each stage. The denoising
+losses evaluated per request stay ``timesteps x iterations_per_timestep``; Adam steps, text
+encoder calls and checks fall by B. B = 1 is the reference's schedule. The reference images are the base model's
 images of the request's prompt (seed = the request's first seed), or images from a folder.
 """
 
@@ -61,6 +66,8 @@ class UnlearnDiffAtkAttacker(Attacker):
         insertion: where they go: prefix_k | suffix_k | mid_k | insert_k | per_k_words.
         timesteps: evenly spaced diffusion timesteps visited one after another (reference 50).
         iterations_per_timestep: Adam steps at each timestep (reference 40).
+        timestep_batch: consecutive timesteps optimised together in one UNet call per step,
+            with one check per stage (1: the reference's one timestep at a time).
         learning_rate / weight_decay: Adam's (reference 0.01 / 0.1).
         criterion: ``l2`` (MSE, reference default) or ``l1``.
         early_stop: stop a request at its first successful check.
@@ -74,13 +81,14 @@ class UnlearnDiffAtkAttacker(Attacker):
     """
 
     name = "unlearndiffatk"
-    version = "1"
+    version = "2"
     needs_white_box = True
     needs_base_model = True
     resumable = True
 
     def __init__(self, k: int = 3, insertion: str = "prefix_k", timesteps: int = 50,
-                 iterations_per_timestep: int = 40, learning_rate: float = 0.01, weight_decay: float = 0.1,
+                 iterations_per_timestep: int = 40, timestep_batch: int = 1, learning_rate: float = 0.01,
+                 weight_decay: float = 0.1,
                  criterion: str = "l2", early_stop: bool = True, check_original: bool = True,
                  reference_images: Optional[str] = None, requests_per_batch: int = 32,
                  vocabulary: str | Sequence[str] = "all", seed: int = 0) -> None:
@@ -89,6 +97,10 @@ class UnlearnDiffAtkAttacker(Attacker):
         self.timesteps = check_positive("unlearndiffatk timesteps", timesteps)
         self.iterations_per_timestep = check_positive("unlearndiffatk iterations_per_timestep",
                                                       iterations_per_timestep)
+        self.timestep_batch = check_positive("unlearndiffatk timestep_batch", timestep_batch)
+        if self.timestep_batch > self.timesteps:
+            raise ConfigError(f"unlearndiffatk timestep_batch={timestep_batch} exceeds timesteps={timesteps}: "
+                              f"use 1 (one timestep at a time, the reference) up to {timesteps}")
         if criterion not in ("l1", "l2"):
             raise ConfigError(f"unlearndiffatk criterion {criterion!r}: use l2 or l1")
         self.learning_rate, self.weight_decay = float(learning_rate), float(weight_decay)
@@ -106,12 +118,14 @@ class UnlearnDiffAtkAttacker(Attacker):
         return sorted(p for p in folder.glob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
 
     def budget(self) -> dict[str, int]:
-        checks = self.timesteps + int(self.check_original)
-        return {"iterations": self.timesteps * self.iterations_per_timestep, "checks": checks}
+        stages = -(-self.timesteps // self.timestep_batch)
+        return {"iterations": self.timesteps * self.iterations_per_timestep,
+                "checks": stages + int(self.check_original)}
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "k": self.k, "insertion": self.insertion, "timesteps": self.timesteps,
-                "iterations_per_timestep": self.iterations_per_timestep, "learning_rate": self.learning_rate,
+                "iterations_per_timestep": self.iterations_per_timestep, "timestep_batch": self.timestep_batch,
+                "learning_rate": self.learning_rate,
                 "weight_decay": self.weight_decay, "criterion": self.criterion, "early_stop": self.early_stop,
                 "check_original": self.check_original, "reference_images": self.reference_images,
                 "vocabulary": self.vocabulary, "seed": self.seed, "budget": self.budget()}
@@ -183,31 +197,36 @@ class UnlearnDiffAtkAttacker(Attacker):
         loss_fn = torch.nn.functional.mse_loss if self.criterion == "l2" else torch.nn.functional.l1_loss
         live = list(range(n))  # rows of this batch still optimised
         ts = sampled_timesteps(self.timesteps, wb.num_train_timesteps)
-        bar = tqdm(total=len(ts) * self.iterations_per_timestep, desc=f"  {self.name}", leave=False, unit="it")
-        for t in ts:
+        stages = [ts[i : i + self.timestep_batch] for i in range(0, len(ts), self.timestep_batch)]
+        bar = tqdm(total=len(stages) * self.iterations_per_timestep, desc=f"  {self.name}", leave=False, unit="it")
+        for stage in stages:
             if not live:
                 break
             rows = torch.tensor(live)
-            tt = torch.full((len(live),), t, dtype=torch.long)
+            B = len(stage)
+            # sample (row j, timestep b) sits at j * B + b: each row repeated over the stage's timesteps
+            tt = torch.tensor(stage, dtype=torch.long).repeat(len(live))
+            x0_rows = x0[rows].repeat_interleave(B, dim=0)
             for _ in range(self.iterations_per_timestep):
                 opt.zero_grad(set_to_none=True)
                 one_hot = StraightThroughSample.apply(simplex[rows], gen)
                 adv = one_hot @ vocab
                 embeds = _embed_rows(seqs, rows, base_embeds, adv)
-                hidden = wb.encode_embeds(embeds)
-                noise = torch.randn(x0[rows].shape, generator=gen)
-                noisy = wb.add_noise(x0[rows], noise, tt)
+                hidden = wb.encode_embeds(embeds).repeat_interleave(B, dim=0)
+                noise = torch.randn(x0_rows.shape, generator=gen)
+                noisy = wb.add_noise(x0_rows, noise, tt)
                 pred = wb.denoise(noisy, tt, hidden)
-                target_ = wb.training_target(x0[rows], noise, tt)
-                per_req = torch.stack([loss_fn(pred[j], target_[j]) for j in range(len(live))])
+                target_ = wb.training_target(x0_rows, noise, tt)
+                per_sample = torch.stack([loss_fn(pred[j], target_[j]) for j in range(len(tt))])
+                per_req = per_sample.view(len(live), B).mean(1)
                 per_req.sum().backward()  # rows are independent: each gets its own gradient
                 opt.step()
                 with torch.no_grad():
                     simplex.data[rows] = project_simplex(simplex.data[rows])
                 for i in live:
-                    states[active[i]].iterations += 1
+                    states[active[i]].iterations += B
                 bar.update(1)
-                bar.set_postfix(t=t, loss=f"{per_req.mean().item():.4f}", live=len(live))
+                bar.set_postfix(t=stage[0], loss=f"{per_req.mean().item():.4f}", live=len(live))
             # hard tokens: the argmax of each simplex point, as text (replayable anywhere)
             with torch.no_grad():
                 best = simplex.data.argmax(-1)

@@ -306,7 +306,8 @@ def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[Prom
         replay = judged_outputs(target, [requests[i] for i in done_idx],
                                 [records[i]["adversarial_prompt"] for i in done_idx],
                                 [{"queries": records[i]["queries"] - len(requests[i].seeds()),
-                                  "iterations": records[i]["iterations"], "time_s": 0.0,
+                                  "iterations": records[i]["iterations"],
+                                  "time_s": float(records[i].get("time_s", 0.0)),
                                   **records[i].get("extra", {})} for i in done_idx])
         for i, o in zip(done_idx, replay):
             o.cached = True
@@ -331,7 +332,8 @@ def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[Prom
 def attack_metrics(run: AttackRun) -> dict[str, MetricValue]:
     """``attack/queries_mean`` (images drawn on the target per attacked prompt, the final
     judged images included), ``attack/iterations_mean`` and ``attack/time_s`` (wall seconds per
-    attacked prompt; a cached output counts 0)."""
+    attacked prompt; a cached output reports the time its attack took when it ran, so that a
+    resumed cell reports the attack's cost, not the replay's)."""
     outs = run.outputs
     if not outs:
         return {}

@@ -5,10 +5,13 @@ time and visits the timesteps one after another: per step one UNet call of batch
 simplex projection by bisection row by row, and after each timestep one image drawn and
 judged. :class:`SequentialUnlearnDiffAtk` re-implements that loop on the harness's attack
 target; :class:`attackers.unlearndiffatk.UnlearnDiffAtkAttacker` runs the same algorithm for
-all prompts at once. Each run gets a fresh image cache (no run profits from the other's
+all prompts at once, with the shipped config's ``timestep_batch`` (conf/attacker/unlearndiffatk.yaml)
+unless ``--timestep-batch`` says otherwise: both evaluate the same number of denoising losses
+per prompt (timesteps x iterations). Each run gets a fresh image cache (no run profits from the other's
 images). Prints and writes (``--out``) wall times, their ratio, and ASR of both with 95% CIs.
 
-    python scripts/bench_attacks.py --method uce --timesteps 4 --iterations 5
+    python scripts/bench_attacks.py --method uce --timesteps 10 --iterations 10 --images-per-prompt 2 \
+        --override 'method.preserve_concepts.tinyworld=[]' --vocabulary domain
 """
 
 from __future__ import annotations
@@ -169,21 +172,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timesteps", type=int, default=4)
     p.add_argument("--iterations", type=int, default=5, help="iterations per timestep")
     p.add_argument("--vocabulary", default="all", help="all (the reference's) or domain")
+    p.add_argument("--timestep-batch", default=None,
+                   help="timesteps per stage of the batched attack, one run per value of a comma list "
+                        "(default: the shipped config's)")
+    p.add_argument("--images-per-prompt", type=int, default=None,
+                   help="images judged per adversarial prompt after the attack (default: the cell's)")
     p.add_argument("--override", action="append", default=[])
     p.add_argument("--erase-cache", default=None, help="cache holding the erased model (reused by both runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    from omegaconf import OmegaConf
+
+    shipped = OmegaConf.load(ROOT / "conf" / "attacker" / "unlearndiffatk.yaml")
+    tbs = ([int(x) for x in args.timestep_batch.split(",")] if args.timestep_batch
+           else [int(shipped.timestep_batch)])
+    if args.images_per_prompt is not None:
+        args.override.append(f"images_per_prompt={args.images_per_prompt}")
     kw = dict(timesteps=args.timesteps, iterations_per_timestep=args.iterations, vocabulary=args.vocabulary, seed=0)
+    tbs = [min(tb, args.timesteps) for tb in tbs]
+    runs = [(f"batched B={tb}", UnlearnDiffAtkAttacker, {"timestep_batch": tb}) for tb in tbs]
+    runs.append(("sequential", SequentialUnlearnDiffAtk, {}))
     results = {}
-    for label, cls in (("batched", UnlearnDiffAtkAttacker), ("sequential", SequentialUnlearnDiffAtk)):
+    for label, cls, extra in runs:
         with tempfile.TemporaryDirectory() as tmp:
             cache = Path(tmp)
             if args.erase_cache:  # share the erased weights only, never images
                 (cache / "erased").symlink_to(Path(args.erase_cache).expanduser().resolve() / "erased")
             target, requests = make_target(args.method, args.override, cache)
             target.base_model().generate([requests[0].prompt], [requests[0].seed])  # load outside the clock
-            atk = cls(**kw)
+            atk = cls(**kw, **extra)
             t0, c0 = time.perf_counter(), time.process_time()
             outs = atk.attack(target, requests)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -191,14 +209,17 @@ def main(argv: list[str] | None = None) -> None:
                           "queries": sum(o.queries for o in outs),
                           "prompts": {o.request.prompt: [o.adversarial_prompt, o.success] for o in outs}}
         print(f"{label}: {wall:.1f}s wall, {cpu:.1f}s CPU, ASR image {results[label]['asr']['image']}, prompt "
-              f"{results[label]['asr']['prompt']}, iterations {results[label]['iterations']}", flush=True)
-    ratio = results["sequential"]["wall_s"] / results["batched"]["wall_s"]
-    cpu_ratio = results["sequential"]["cpu_s"] / results["batched"]["cpu_s"]
+              f"{results[label]['asr']['prompt']}, iterations {results[label]['iterations']}, "
+              f"checks {results[label]['queries']}", flush=True)
+    seq = results["sequential"]
     # on a shared machine the CPU-time ratio is the steadier of the two
-    print(f"speed-up (sequential / batched): wall {ratio:.2f}x, CPU time {cpu_ratio:.2f}x")
+    for label, r in results.items():
+        if label != "sequential":
+            r["speedup_wall"], r["speedup_cpu"] = seq["wall_s"] / r["wall_s"], seq["cpu_s"] / r["cpu_s"]
+            print(f"speed-up (sequential / {label}): wall {r['speedup_wall']:.2f}x, CPU time {r['speedup_cpu']:.2f}x")
     summary = {"method": args.method, "timesteps": args.timesteps, "iterations_per_timestep": args.iterations,
-               "vocabulary": args.vocabulary,
-               "overrides": args.override, "speedup_wall": ratio, "speedup_cpu": cpu_ratio, **results}
+               "threads": torch.get_num_threads(), "vocabulary": args.vocabulary, "overrides": args.override,
+               **results}
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
 

@@ -106,9 +106,11 @@ def test_bad_input_is_refused_before_any_generation(pipe):
         UnlearnDiffAtkAttacker(insertion="prefx_k")
     for make in (lambda: UnlearnDiffAtkAttacker(timesteps=0), lambda: UnlearnDiffAtkAttacker(iterations_per_timestep=0),
                  lambda: P4DAttacker(iterations=0), lambda: RingABellAttacker(generations=0),
-                 lambda: UnlearnDiffAtkAttacker(k=0)):
+                 lambda: UnlearnDiffAtkAttacker(k=0), lambda: UnlearnDiffAtkAttacker(timestep_batch=0)):
         with pytest.raises(ConfigError, match="must be >= 1"):
             make()
+    with pytest.raises(ConfigError, match="timestep_batch=3 exceeds timesteps=2: use 1 .* up to 2"):
+        UnlearnDiffAtkAttacker(timesteps=2, timestep_batch=3)
     with pytest.raises(UnknownChoiceError, match="P4D variant 'x'"):
         P4DAttacker(variant="x")
     with pytest.raises(ConfigError, match="> the tokenizer's context of 77"):
@@ -179,6 +181,11 @@ def plumbing_target(pipe, tmp_path_factory):
 
 @pytest.mark.parametrize("attacker, iterations, checks", [
     (UnlearnDiffAtkAttacker(k=2, timesteps=2, iterations_per_timestep=2, check_original=False, early_stop=False), 4, 2),
+    # two stages of two timesteps: the same 4 x 2 denoising losses per prompt, one check per stage
+    (UnlearnDiffAtkAttacker(k=2, timesteps=4, iterations_per_timestep=2, timestep_batch=2, check_original=False,
+                            early_stop=False), 8, 2),
+    (UnlearnDiffAtkAttacker(k=2, timesteps=3, iterations_per_timestep=2, timestep_batch=2, check_original=False,
+                            early_stop=False), 6, 2),
     (P4DAttacker(variant="n", n_tokens=4, iterations=3, eval_every=2, early_stop=False), 3, 2),
     (P4DAttacker(variant="k", iterations=3, eval_every=2, early_stop=False), 3, 2),
     (RingABellAttacker(length=4, population=8, generations=3, pair_templates=["an image of a {}"]), 3, 0),
