@@ -136,6 +136,17 @@ def preset_choices() -> dict[str, str]:
     return {**out, "scale": scale} if scale else out
 
 
+def config_choices() -> dict[str, str]:
+    """The config files this cell was composed from (``method: esd_100``, ``attacker: p4d_n``):
+    the names a user typed, which the leaderboard shows (several configs share a class)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    choices = HydraConfig.get().runtime.choices
+    return {k: v for k in ("model", "method", "domain", "attacker", "classifier") if (v := choices.get(k))}
+
+
 def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     """Run one cell and write ``results.json`` and ``samples.jsonl`` into ``output_dir``."""
     output_dir = Path(output_dir)
@@ -327,6 +338,7 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
         "libraries": {n: _package_version(n) for n in ("torch", "diffusers", "transformers")},
         "runtime": runtime_info(),
         "presets": preset_choices(),
+        "choices": config_choices(),
         "metrics": dict(METRIC_VERSIONS),
     }
     result = CellResult(

@@ -42,6 +42,8 @@ class Cell:
     notes: list[str]
     mtime: float
     label: str = ""  # the method's name on the board (``esd`` or ``esd@1a2b3c`` when split)
+    config: str = ""  # the method's config name (``esd_100``) when it differs from the class's
+
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -78,6 +80,20 @@ def signatures(data: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def method_config(data: dict[str, Any]) -> str:
+    """The config file the cell's method came from (``esd_100``, ``ca_model``): recorded in
+    ``versions.choices``; older results name it through their preset (``esd_100_tiny``)."""
+    v = data.get("versions", {})
+    choice = (v.get("choices") or {}).get("method")
+    if choice:
+        return str(choice)
+    presets = v.get("presets") or {}
+    preset, scale = presets.get("method"), presets.get("scale")
+    if preset and scale and str(preset).endswith(f"_{scale}"):
+        return str(preset)[: -len(scale) - 1]
+    return ""
+
+
 def parse_results(path: Path) -> Cell:
     """One results.json -> :class:`Cell`, or a :class:`LeaderboardError` naming the file."""
     try:
@@ -102,7 +118,7 @@ def parse_results(path: Path) -> Cell:
     return Cell(path=path.parent, model=c["model"], method=c["method"], domain=c["domain"],
                 concept=c["concept"], attacker=c["attacker"], classifier=c["classifier"], metrics=metrics,
                 signatures=signatures(data), versions=data["versions"], counts=data.get("counts", {}),
-                notes=list(data.get("notes", [])), mtime=path.stat().st_mtime)
+                notes=list(data.get("notes", [])), mtime=path.stat().st_mtime, config=method_config(data))
 
 
 def find_result_files(runs: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Path]]:
@@ -138,7 +154,7 @@ def parse_error(path: Path) -> FailedCell:
 
 
 def _component_name(cell: Cell, kind: str) -> str:
-    return {"method": cell.method, "attacker": cell.attacker, "classifier": cell.classifier,
+    return {"method": cell.label or cell.method, "attacker": cell.attacker, "classifier": cell.classifier,
             "model": cell.model, "domain": cell.domain}[kind]
 
 
@@ -163,8 +179,8 @@ def check_comparable(cells: list[Cell], split_versions: bool = False) -> list[st
     Returns notes on what was split; sets each cell's ``label``.
     """
     notes: list[str] = []
-    for cell in cells:
-        cell.label = cell.method
+    for cell in cells:  # configs of one class (esd, esd_100, esd_u) are rows of their own
+        cell.label = cell.config or cell.method
     for kind in ("method", "attacker", "classifier", "model", "domain"):
         by_name: dict[str, dict[str, list[Cell]]] = defaultdict(lambda: defaultdict(list))
         for cell in cells:
@@ -183,7 +199,7 @@ def check_comparable(cells: list[Cell], split_versions: bool = False) -> list[st
             for sig, group in variants.items():
                 for cell in group:
                     if kind == "method":
-                        cell.label = f"{cell.method}@{sig[:6]}"
+                        cell.label = f"{name}@{sig[:6]}"
                     else:
                         cell.attacker = f"{cell.attacker}@{sig[:6]}"
             notes.append(f"{kind} '{name}' split into {len(variants)} versions:\n" + "\n".join(lines))

@@ -141,6 +141,41 @@ def test_two_versions_of_a_method_are_never_merged(sweep, tmp_path, capsys):
         [0.5, json.loads((cell / "results.json").read_text())["metrics"]["ea/name"]["value"]])
 
 
+def test_configs_of_one_class_are_rows_of_their_own(sweep, tmp_path):
+    """esd and esd_100 share the class ESDMethod with other settings: each config is its own
+    row, named as the user typed it; cells of one config that differ are still refused."""
+    from leaderboards.build import build
+    from leaderboards.collect import LeaderboardError
+
+    root, _ = sweep
+    cell = next((root / "sweep").glob("0_*"))
+    assert json.loads((cell / "results.json").read_text())["versions"]["choices"]["method"] == "none"
+
+    def config(name, choices=True):
+        def edit(data):
+            data["versions"]["components"]["method"]["strength"] = name
+            if choices:
+                data["versions"]["choices"]["method"] = name
+            else:  # results written before versions.choices: the preset names the config
+                data["versions"].pop("choices")
+                data["versions"]["presets"] = {"method": f"{name}_tiny", "scale": "tiny"}
+        return edit
+
+    _copy_cell(cell, tmp_path / "a", config("none_100"))
+    _copy_cell(cell, tmp_path / "b", config("none_500", choices=False))
+    board = build([cell, tmp_path / "a", tmp_path / "b"], tmp_path / "board")
+    rows = next(t for t in board.tables if t.kind == "methods").rows
+    assert sorted(r["method"] for r in rows) == ["none", "none_100", "none_500"]
+
+    def newer(data):
+        config("none_100")(data)
+        data["versions"]["components"]["method"]["version"] = 99
+
+    _copy_cell(cell, tmp_path / "c", newer)
+    with pytest.raises(LeaderboardError, match=r"method 'none_100' appears in 2 different versions"):
+        build([tmp_path / "a", tmp_path / "c"], tmp_path / "board2")
+
+
 def test_unknown_schema_version_is_a_clear_error(sweep, tmp_path, capsys):
     from leaderboards.build import main
 
