@@ -54,6 +54,16 @@ def test_asr_pre_is_over_exactly_the_attacked_prompts():
     assert m["asr/pre/images"].n == 4 and m["asr/pre/images"].value == 0.5
 
 
+def test_an_attack_that_drew_no_images_has_no_image_rate():
+    reqs = [PromptRequest(f"hypothesis {i}", "circle", "ea", "name", n_images=0) for i in range(3)]
+    out = [AttackOutput(request=r, adversarial_prompt=r.prompt, samples=[], success=False) for r in reqs]
+    m = rate_metrics([], out, seed=0)
+    assert (m["asr"].value, m["asr"].n) == (0.0, 3)
+    assert m["asr/images"].value is None and m["asr/images"].n == 0
+    assert m["asr/images"].note == "the attack drew no images"
+    json.dumps(m["asr/images"].to_json(), allow_nan=False)  # no NaN reaches results.json
+
+
 def test_excluded_images_leave_the_denominator_and_are_counted():
     reqs = [PromptRequest(f"a photo of person {i}", "someone", "ea", "name", n_images=4) for i in range(3)]
     suite = [(r, _samples(r, [True, False, False, False], excluded=[False, False, True, True])) for r in reqs]

@@ -56,8 +56,11 @@ def rate_metrics(suite: SuiteSamples, outputs: Sequence[AttackOutput], seed: int
         for o in outputs:
             asr.update_success(o.success)
         out["asr"] = asr.compute()
-        out["asr/images"] = _clustered(AttackSuccessRate(seed=seed, n_resamples=n_resamples),
-                                       list(enumerate(o.samples for o in outputs)))
+        if any(o.samples for o in outputs):
+            out["asr/images"] = _clustered(AttackSuccessRate(seed=seed, n_resamples=n_resamples),
+                                           list(enumerate(o.samples for o in outputs)))
+        else:  # e.g. STACE hypotheses whose programs all failed before drawing
+            out["asr/images"] = MetricValue(value=None, n=0, note="the attack drew no images")
         by_request = {r: s for r, s in suite}
         pre = [(i, by_request[o.request]) for i, o in enumerate(outputs) if o.request in by_request]
         if pre:
