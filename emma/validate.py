@@ -583,13 +583,38 @@ def is_multirun(argv: Sequence[str]) -> bool:
     return any(a in ("-m", "--multirun") for a in argv) or "hydra.mode=MULTIRUN" in argv
 
 
-def cell_overrides(overrides: Sequence[str], multirun: bool) -> list[list[str]]:
-    """The cells of a command line: one for a run, the cartesian product for a sweep."""
+def sweeper_params(overrides: Sequence[str], config_name: str = "config") -> list[str]:
+    """The sweep an experiment file declares (``hydra.sweeper.params``) as overrides, for the
+    keys the command line does not set itself (the command line wins, as in Hydra's sweeper)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from emma.config import register_configs
+
+    register_configs()
+    try:
+        given = {o.get_key_element() for o in OverridesParser.create().parse_overrides(list(overrides))}
+        if GlobalHydra.instance().is_initialized():
+            cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        else:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        params = cfg.hydra.sweeper.get("params") or {}
+    except Exception:  # noqa: BLE001 - a composition error is reported by the cell checks
+        return []
+    return [f"{k}={v}" for k, v in params.items() if k not in given and v is not None]
+
+
+def cell_overrides(overrides: Sequence[str], multirun: bool, config_name: str = "config") -> list[list[str]]:
+    """The cells of a command line: one for a run, the cartesian product for a sweep (with the
+    sweep an experiment file declares)."""
     if not multirun:
         return [list(overrides)]
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    overrides = [*sweeper_params(overrides, config_name), *overrides]
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     return [cell for batch in BasicSweeper.split_arguments(parsed, None) for cell in batch]
 
@@ -625,12 +650,12 @@ def validate_overrides(overrides: Sequence[str], multirun: bool = False, config_
         # what else the remaining overrides get wrong, leaving out keys of the groups in question
         bad = {v.key.lstrip("+~").split(".")[0].split("@")[0] for v in problems}
         found: list[Violation] = []
-        cfg = compose_cell(good if not multirun else cell_overrides(good, True)[0], found, config_name)
+        cfg = compose_cell(good if not multirun else cell_overrides(good, True, config_name)[0], found, config_name)
         if cfg is not None:
             found += validate_cell(cfg)
         problems += [v for v in found if v.key.lstrip("+~").split(".")[0].split("[")[0] not in bad]
         raise InvalidConfigError(problems)
-    cells = cell_overrides(good, multirun)
+    cells = cell_overrides(good, multirun, config_name)
     memo: dict[tuple[str, ...], list[Violation]] = {}
     bad_cells: list[tuple[int, list[str], list[Violation]]] = []
     for i, cell in enumerate(cells):

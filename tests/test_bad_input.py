@@ -172,6 +172,32 @@ def test_valid_settings_pass_the_preflight(argv, capsys):
     assert preflight(argv) == 0, capsys.readouterr().err
 
 
+def test_an_experiments_own_sweep_is_checked_cell_by_cell(capsys, monkeypatch):
+    """The sweep an experiment file declares (hydra.sweeper.params) is expanded by the preflight
+    like a command-line sweep: every cell is composed and checked before any job starts."""
+    from omegaconf import OmegaConf
+
+    from emma import validate
+
+    params = OmegaConf.load(ROOT / "conf" / "experiment" / "tinyworld_full.yaml").hydra.sweeper.params
+    expected = 1
+    for v in params.values():
+        expected *= len(str(v).split(","))
+    cells = validate.cell_overrides(["experiment=tinyworld_full"], True)
+    assert len(cells) == expected == 70
+    assert ["method=uce", "attacker=p4d_n", "concept=circle", "experiment=tinyworld_full"] in cells
+    # the command line wins over the experiment's sweep for the keys it sets
+    assert len(validate.cell_overrides(["experiment=tinyworld_full", "method=uce"], True)) == 5
+
+    real = validate.sweeper_params
+    monkeypatch.setattr(validate, "sweeper_params",  # an experiment whose concept list has a typo
+                        lambda ov, name="config": [o.replace("concept=circle", "concept=circle,hexagn")
+                                                  for o in real(ov, name)])
+    assert preflight(["-m", "experiment=tinyworld_full", "method=uce", "attacker=static"]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 2 cells; no job was started" in err and "hexagn" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_cuda_device_without_cuda(capsys):
     assert preflight(["model.device=cuda"]) == 2
