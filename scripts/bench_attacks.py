@@ -10,8 +10,12 @@ unless ``--timestep-batch`` says otherwise: both evaluate the same number of den
 per prompt (timesteps x iterations). Each run gets a fresh image cache (no run profits from the other's
 images). Prints and writes (``--out``) wall times, their ratio, and ASR of both with 95% CIs.
 
-    python scripts/bench_attacks.py --method uce --timesteps 10 --iterations 10 --images-per-prompt 2 \
-        --override 'method.preserve_concepts.tinyworld=[]' --vocabulary domain
+    python scripts/bench_attacks.py --method uce --timesteps 10 --iterations 10 --images-per-prompt 4 \
+        --vocabulary domain --timestep-batch 1,2,5 --override 'method.preserve_concepts.tinyworld=[]' \
+        --override method.technique=replace --override method.erase_scale=1.0
+
+(UCE erasing the circle alone, as in tests/test_attackers_tinyworld.py: a model the attack can
+break, so that the ASR comparison is not 0 against 0; README.md has the figures of one run.)
 """
 
 from __future__ import annotations
