@@ -119,7 +119,7 @@ def test_sigkill_mid_attack_resumes_at_the_unfinished_prompt(tmp_path):
     assert rerun["counts"]["images_generated"] == 0
     assert keep(rerun["metrics"]) == keep(ref["metrics"])
     # a replayed attack reports what the attack cost when it ran, not the replay's 0
-    assert rerun["metrics"]["attack/time_s"] == ref["metrics"]["attack/time_s"] > 0
+    assert rerun["metrics"]["attack/time_s"]["value"] == ref["metrics"]["attack/time_s"]["value"] > 0
     assert not [p for p in cache.rglob("*") if p.name.endswith(".tmp")]
 
 
