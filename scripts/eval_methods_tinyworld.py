@@ -34,7 +34,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 CONF = ROOT / "conf"
-METHODS = ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn", "rece", "salun", "spm")
+METHODS = ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn",
+           "rece", "salun", "spm")
 SHAPES = ("circle", "square", "triangle", "star", "heart", "cross", "crescent", "diamond")
 RATE_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random]")
 
