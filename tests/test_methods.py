@@ -288,6 +288,31 @@ def test_concept_positions_cover_the_concept_and_the_padding(base):
     assert first.nonzero().flatten().tolist() == [n, n + 1]  # the concept and the end token
 
 
+@torch.no_grad()
+def test_mace_all_words_refines_the_concept_token_too(base):
+    """all_words (the reference's switch) maps the concept's own token onto the mapping's;
+    without it the refinement leaves that token to the LoRA stage."""
+    from emma.methods._common import attn2_modules, encode_text
+
+    old, new = "an image of a circle", "an image of a shape"
+    pos = int(concept_positions(base.tokenizer, old, "circle", use_pooler=False).nonzero()[0])
+    emb = encode_text(base, [old, new])
+    errors = {}
+    for all_words in (False, True):
+        pipe = copy.deepcopy(base)
+        m = MACEMethod(all_words=all_words, lamb=1e-3, progress=False)
+        layers = [mod.to_k for _, mod in attn2_modules(pipe.unet)]
+        target = layers[0](emb[1, pos])
+        m._refine(pipe, {"circle": [(old, new)]}, layers, [(None, None)] * len(layers), m.hparams)
+        errors[all_words] = float((layers[0](emb[0, pos]) - target).norm() / target.norm())
+    assert errors[True] < 0.05 < errors[False]
+
+
+def test_mace_pooler_is_checked():
+    with pytest.raises(UnknownChoiceError, match="first"):
+        MACEMethod(pooler="last")
+
+
 def test_mace_auto_segmenter_falls_back_to_attention_offline():
     assert MACEMethod(segmenter="auto").config()["segmenter"] == "attention"
 

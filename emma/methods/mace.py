@@ -74,6 +74,7 @@ from emma.methods.uce import uce_closed_form
 logger = logging.getLogger(__name__)
 
 SEGMENTERS = ("auto", "grounded_sam", "attention", "none")
+POOLERS = ("all", "first")
 GROUNDING_DINO_ID = "IDEA-Research/grounding-dino-base"
 SAM_ID = "facebook/sam-vit-huge"
 
@@ -183,14 +184,23 @@ class MACEMethod(ErasureMethod):
         num_images: training images drawn per concept (MACE: 8).
         aug_length: templates used per concept (MACE: 30 of ``prompt_len``).
         lamb: λ of both closed forms.
+        all_words: the reference's ``all_words`` switch of the refinement: map every token of
+            the concept prompt (the concept's own tokens too, position by position) onto the
+            mapping prompt's, instead of only the tokens the two prompts share.
         train_preserve_scale / fuse_preserve_scale: weights of the preservation statistics of
             ``preserve_concepts`` in the two closed forms (MACE caches COCO captions there).
         preserve_concepts: per domain, prompts whose outputs are preserved.
+        preserve_templates: expand each preserve concept with the prompt templates the erased
+            concept is augmented with (as the reference's domain-preservation cache holds whole
+            prompts of related concepts), instead of using it as the prompt itself.
         learning_rate / max_train_steps / train_batch_size / adam_weight_decay /
             max_grad_norm: LoRA training (AdamW).
         rank: LoRA rank.
         importance_sampling: draw timesteps from MACE's density peaked in 200..400.
         use_pooler: include end-of-text tokens in the attention loss.
+        pooler: which end-of-text tokens ``use_pooler`` adds: ``all`` (every token equal to
+            end-of-text — with SD v1.x's tokenizer, whose padding is end-of-text, every position
+            after the prompt, as the reference does on SD v1.4) or ``first`` (the end token only).
         segmenter: ``auto``, ``grounded_sam``, ``attention``, ``none`` or a callable.
         attention_mask_threshold: threshold of the normalised attention map (``attention``).
         sample_steps / sample_guidance: sampler settings for the training images.
@@ -211,9 +221,11 @@ class MACEMethod(ErasureMethod):
         num_images: int = 8,
         aug_length: int = 30,
         lamb: float = 1e3,
+        all_words: bool = False,
         train_preserve_scale: float = 0.0,
         fuse_preserve_scale: float = 0.0,
         preserve_concepts: Any = None,
+        preserve_templates: bool = False,
         learning_rate: float = 1e-5,
         max_train_steps: int = 50,
         train_batch_size: int = 1,
@@ -222,6 +234,7 @@ class MACEMethod(ErasureMethod):
         rank: int = 1,
         importance_sampling: bool = True,
         use_pooler: bool = True,
+        pooler: str = "all",
         segmenter: Any = "auto",
         attention_mask_threshold: float = 0.5,
         sample_steps: int = 30,
@@ -240,17 +253,20 @@ class MACEMethod(ErasureMethod):
             segmenter = "grounded_sam" if grounded_sam_available() else "attention"
             if segmenter == "attention":
                 logger.info("MACE: GroundingDINO/SAM weights not found; using attention masks")
+        if pooler not in POOLERS:
+            raise UnknownChoiceError("MACE pooler", str(pooler), POOLERS)
         if int(rank) < 1 or int(num_images) < 1 or int(aug_length) < 1:
             raise ConfigError("MACE needs rank, num_images and aug_length >= 1")
         super().__init__(
             mapping_concepts=plain(mapping_concepts), prompt_templates=plain(prompt_templates),
             data_prompts=plain(data_prompts), num_images=int(num_images), aug_length=int(aug_length),
-            lamb=float(lamb), train_preserve_scale=float(train_preserve_scale),
+            lamb=float(lamb), all_words=bool(all_words), train_preserve_scale=float(train_preserve_scale),
             fuse_preserve_scale=float(fuse_preserve_scale), preserve_concepts=plain(preserve_concepts),
+            preserve_templates=bool(preserve_templates),
             learning_rate=float(learning_rate), max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),
             max_grad_norm=float(max_grad_norm), rank=int(rank), importance_sampling=bool(importance_sampling),
-            use_pooler=bool(use_pooler), segmenter=segmenter,
+            use_pooler=bool(use_pooler), pooler=str(pooler), segmenter=segmenter,
             attention_mask_threshold=float(attention_mask_threshold), sample_steps=int(sample_steps),
             sample_guidance=float(sample_guidance), domain_overrides=plain(domain_overrides),
         )
@@ -328,7 +344,10 @@ class MACEMethod(ErasureMethod):
         for plist in pairs.values():
             for old, new in plist:
                 emb = encode_text(pipe, [old, new]).double()
-                oi, ni = matching_token_indices(pipe.tokenizer, old, new)
+                if hp["all_words"]:  # every position, the concept's tokens included
+                    oi = ni = list(range(emb.shape[1]))
+                else:
+                    oi, ni = matching_token_indices(pipe.tokenizer, old, new)
                 contexts.append(emb[0, oi])
                 targets_emb.append(emb[1, ni])
         c = torch.cat(contexts)
@@ -354,7 +373,8 @@ class MACEMethod(ErasureMethod):
         weights = mace_importance_weights(n_t) if hp["importance_sampling"] else None
         prompts = [old for old, _ in plist]
         embs = encode_text(pipe, prompts)
-        positions = torch.stack([concept_positions(pipe.tokenizer, p, concept, use_pooler=hp["use_pooler"])
+        positions = torch.stack([concept_positions(pipe.tokenizer, p, concept, use_pooler=hp["use_pooler"],
+                                                   pooler=hp["pooler"])
                                  for p in prompts])
         loras: dict[str, tuple[LoRADelta, LoRADelta]] = {}
         for name, m in attn2_modules(unet):
@@ -449,6 +469,8 @@ class MACEMethod(ErasureMethod):
         pres = [pres] if isinstance(pres, str) else [p for p in pres if p.lower() not in erased]
         if not pres or (hp["train_preserve_scale"] == 0 and hp["fuse_preserve_scale"] == 0):
             return [(None, None)] * len(layers)
+        if hp["preserve_templates"]:
+            pres = [t.format(p) for p in pres for t in self.templates(hp, domain)]
         ctx = encode_text(pipe, pres).double().reshape(-1, layers[0].in_features)
         out = []
         for lay in layers:
