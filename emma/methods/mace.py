@@ -190,9 +190,6 @@ class MACEMethod(ErasureMethod):
         train_preserve_scale / fuse_preserve_scale: weights of the preservation statistics of
             ``preserve_concepts`` in the two closed forms (MACE caches COCO captions there).
         preserve_concepts: per domain, prompts whose outputs are preserved.
-        preserve_templates: expand each preserve concept with the prompt templates the erased
-            concept is augmented with (as the reference's domain-preservation cache holds whole
-            prompts of related concepts), instead of using it as the prompt itself.
         learning_rate / max_train_steps / train_batch_size / adam_weight_decay /
             max_grad_norm: LoRA training (AdamW).
         rank: LoRA rank.
@@ -225,7 +222,6 @@ class MACEMethod(ErasureMethod):
         train_preserve_scale: float = 0.0,
         fuse_preserve_scale: float = 0.0,
         preserve_concepts: Any = None,
-        preserve_templates: bool = False,
         learning_rate: float = 1e-5,
         max_train_steps: int = 50,
         train_batch_size: int = 1,
@@ -262,7 +258,6 @@ class MACEMethod(ErasureMethod):
             data_prompts=plain(data_prompts), num_images=int(num_images), aug_length=int(aug_length),
             lamb=float(lamb), all_words=bool(all_words), train_preserve_scale=float(train_preserve_scale),
             fuse_preserve_scale=float(fuse_preserve_scale), preserve_concepts=plain(preserve_concepts),
-            preserve_templates=bool(preserve_templates),
             learning_rate=float(learning_rate), max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),
             max_grad_norm=float(max_grad_norm), rank=int(rank), importance_sampling=bool(importance_sampling),
@@ -469,8 +464,6 @@ class MACEMethod(ErasureMethod):
         pres = [pres] if isinstance(pres, str) else [p for p in pres if p.lower() not in erased]
         if not pres or (hp["train_preserve_scale"] == 0 and hp["fuse_preserve_scale"] == 0):
             return [(None, None)] * len(layers)
-        if hp["preserve_templates"]:
-            pres = [t.format(p) for p in pres for t in self.templates(hp, domain)]
         ctx = encode_text(pipe, pres).double().reshape(-1, layers[0].in_features)
         out = []
         for lay in layers:
