@@ -148,7 +148,9 @@ class ESDMethod(ErasureMethod):
                 k = randint(hp["ddim_steps"], gen)
                 z = randn(latent_shape, gen, device=device) * sampler.init_noise_sigma
                 drawer = unet if hp["sample_from"] == "erased" else frozen
-                with torch.no_grad():
+                # Nothing before the trained forward needs autograd: inference mode skips its
+                # bookkeeping; the clones turn the results into ordinary tensors for backward.
+                with torch.inference_mode():
                     xt = self._sample_until(drawer, sampler, timesteps[:k], z, cond[i : i + 1],
                                             blank, hp["start_guidance"], dtype)
                     t = timesteps[k].to(device)
@@ -157,6 +159,7 @@ class ESDMethod(ErasureMethod):
                         e_0 = frozen(x_in, t, encoder_hidden_states=uncond[i : i + 1].to(dtype)).sample
                         e_p = frozen(x_in, t, encoder_hidden_states=cond[i : i + 1].to(dtype)).sample
                     target = e_0.float() - hp["negative_guidance"] * (e_p.float() - e_0.float())
+                xt, target, t = xt.clone(), target.clone(), t.clone()
                 with autocast(device, dtype):
                     e_n = unet(xt.float(), t, encoder_hidden_states=cond[i : i + 1].float()).sample
                 loss = F.mse_loss(e_n.float(), target)
