@@ -198,6 +198,27 @@ def test_same_seed_same_weights_other_seed_other_weights(base):
     assert fingerprint(a) == fingerprint(b) != fingerprint(c)
 
 
+@pytest.mark.parametrize("train_method", ["esd-x", "esd-u"])
+def test_esd_matches_the_plain_loop_bit_for_bit(base, train_method):
+    """ESD's per-iteration speed-ups (inference mode for x_t and the frozen targets) keep the
+    arithmetic: the same weights as the textbook loop of scripts/bench_esd.py."""
+    import sys
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        from bench_esd import plain_erase
+    finally:
+        sys.path.remove(scripts)
+    hp = dict(train_method=train_method, iterations=4, learning_rate=1e-3, negative_guidance=1.0,
+              start_guidance=3.0, ddim_steps=4)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    plain_erase(a, "circle", hp, seed=5)
+    ESDMethod(**hp, progress=False).erase(b, ["circle"], seed=5, domain=DOMAIN)
+    assert changed(a, base) and not changed(a, b)
+
+
 def test_torch_global_rng_is_not_used(base):
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     torch.manual_seed(1)
