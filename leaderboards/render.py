@@ -56,19 +56,23 @@ def plot_tradeoff(cells: list[Cell], path: Path) -> bool:
             pts[c.label or c.method].append((ra, ea))
     if not pts:
         return False
-    fig, ax = plt.subplots(figsize=(5, 4), dpi=110)
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=110)
+    cmap, markers = plt.get_cmap("tab20"), "osD^vP*Xh<>p"
     for i, (method, xy) in enumerate(sorted(pts.items())):
-        color = f"C{i % 10}"
+        color = cmap(i % 20)
         ax.scatter([p[0] for p in xy], [p[1] for p in xy], color=color, alpha=0.25, s=14)
         mx, my = sum(p[0] for p in xy) / len(xy), sum(p[1] for p in xy) / len(xy)
-        ax.scatter([mx], [my], color=color, s=50, label=f"{method} (n={len(xy)})", edgecolor="k")
+        # methods at the same point stay visible: each is drawn smaller, on top of the ones before
+        size = max(20.0, 150.0 - 9.0 * i)
+        ax.scatter([mx], [my], color=color, s=size, marker=markers[i % len(markers)],
+                   label=f"{method} (n={len(xy)})", edgecolor="k")
     ax.set_xlabel("RA (retaining ability, mean over prompt types)")
     ax.set_ylabel("EA (erasing ability, mean over prompt types)")
     ax.set_xlim(-0.02, 1.02)
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"{cells[0].domain}: erasing vs retaining")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
