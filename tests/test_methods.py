@@ -124,6 +124,12 @@ def test_fmn_changes_only_cross_attention(base, pipe):
     assert any(".to_k." in k for k in ch)
 
 
+def test_fmn_keys_only_changes_only_cross_attention_keys(base, pipe):
+    small("fmn", keys_only=True).erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    ch = changed(base, pipe)
+    assert ch and ch <= attn2_names(base, kinds=("to_k",))
+
+
 def test_zero_iterations_change_nothing(base, pipe):
     ESDMethod(iterations=0, progress=False).erase(pipe, ["circle"], domain=DOMAIN)
     assert fingerprint(pipe) == fingerprint(base)
