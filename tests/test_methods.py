@@ -4,6 +4,7 @@ against an independent least-squares solve, determinism, save/load round trips, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -15,7 +16,7 @@ import torch
 
 from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
 from emma.methods._common import concept_positions
-from emma.methods.ca import ConceptAblationMethod
+from emma.methods.ca import ConceptAblationMethod, start_token_detached
 from emma.methods.checkpoint import CheckpointMethod
 from emma.methods.esd import ESDMethod
 from emma.methods.fmn import ForgetMeNotMethod
@@ -122,6 +123,23 @@ def test_fmn_changes_only_cross_attention(base, pipe):
     ch = changed(base, pipe)
     assert ch and ch <= attn2_names(base)
     assert any(".to_k." in k for k in ch)
+
+
+def test_ca_start_token_gets_no_gradient(base):
+    unet = copy.deepcopy(base.unet)
+    name, to_k = next((n, m) for n, m in unet.named_modules() if n.endswith(".attn2.to_k"))
+    ctx = torch.randn(1, 5, to_k.in_features)
+
+    def grad(position: int, detached: bool) -> torch.Tensor:
+        to_k.weight.grad = None
+        with start_token_detached(unet) if detached else contextlib.nullcontext():
+            to_k(ctx)[:, position].sum().backward()
+        return to_k.weight.grad
+
+    assert grad(0, detached=False).abs().sum() > 0
+    assert grad(0, detached=True).abs().sum() == 0, name
+    assert torch.equal(grad(1, detached=True), grad(1, detached=False))
+    assert not to_k._forward_hooks  # the hooks leave with the context
 
 
 def test_fmn_keys_only_changes_only_cross_attention_keys(base, pipe):

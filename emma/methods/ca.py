@@ -18,7 +18,8 @@ EMMA's generic concepts (objects -> their COCO super-category, styles -> paintin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +63,24 @@ def ca_parameter_filter(group: str):
     raise UnknownChoiceError("CA parameter_group", group, PARAMETER_GROUPS)
 
 
+@contextlib.contextmanager
+def start_token_detached(unet: torch.nn.Module) -> Iterator[None]:
+    """While inside, no gradient flows through the cross-attention keys and values of the
+    start-of-text token (position 0), as in the reference's Custom Diffusion attention
+    processor: that token is the same in every prompt, so fitting it would move every prompt."""
+
+    def hook(_module: torch.nn.Module, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
+        return torch.cat([out[:, :1].detach(), out[:, 1:]], dim=1)
+
+    handles = [m.register_forward_hook(hook) for n, m in unet.named_modules()
+               if n.endswith((".attn2.to_k", ".attn2.to_v"))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class ConceptAblationMethod(ErasureMethod):
     """Ablating Concepts in Text-to-Image Diffusion Models.
 
@@ -82,11 +101,13 @@ class ConceptAblationMethod(ErasureMethod):
         prior_loss_weight: weight of that term.
         adam_weight_decay / max_grad_norm: optimiser settings (diffusers training script).
         sample_steps / sample_guidance: sampler settings for the anchor images.
+        detach_start_token: no gradient through the start token's cross-attention keys and
+            values (the reference trains with this; see :func:`start_token_detached`).
         progress: show progress bars (not a hyper-parameter).
     """
 
     name = "ca"
-    version = "1"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
@@ -106,6 +127,7 @@ class ConceptAblationMethod(ErasureMethod):
         max_grad_norm: float = 1.0,
         sample_steps: int = 50,
         sample_guidance: float = 6.0,
+        detach_start_token: bool = True,
         progress: bool = True,
     ) -> None:
         if loss not in LOSSES:
@@ -120,7 +142,7 @@ class ConceptAblationMethod(ErasureMethod):
             num_class_images=int(num_class_images), prior_preservation=bool(prior_preservation),
             prior_loss_weight=float(prior_loss_weight), adam_weight_decay=float(adam_weight_decay),
             max_grad_norm=float(max_grad_norm), sample_steps=int(sample_steps),
-            sample_guidance=float(sample_guidance),
+            sample_guidance=float(sample_guidance), detach_start_token=bool(detach_start_token),
         )
         self.progress = bool(progress)
 
@@ -171,7 +193,8 @@ class ConceptAblationMethod(ErasureMethod):
         n_t = sched.config.num_train_timesteps
         lr = hp["learning_rate"] * (hp["train_batch_size"] if hp["scale_lr"] else 1)
         bs = hp["train_batch_size"]
-        with fp32_training(unet):
+        detached = start_token_detached(unet) if hp["detach_start_token"] else contextlib.nullcontext()
+        with fp32_training(unet), detached:
             params = select_parameters(unet, ca_parameter_filter(hp["parameter_group"]))
             for p in params.values():
                 p.requires_grad_(True)
