@@ -51,10 +51,6 @@ class ForgetMeNotMethod(ErasureMethod):
         prompt_templates: per domain, the training prompt template with ``{}`` for the concept.
         only_optimize_ca: fine-tune the cross-attention modules (``attn2``) only; otherwise the
             whole UNet.
-        keys_only: with ``only_optimize_ca``, fine-tune the cross-attention key projections
-            (``attn2.to_k``) only. The loss depends on the attention probabilities, i.e. on the
-            image queries and the text keys; with the keys alone the images' queries stay as
-            they were, so prompts without the concept change only through their own keys.
         use_pooler: add the end-of-text tokens to the re-steered tokens.
         learning_rate / max_train_steps / train_batch_size / adam_weight_decay / max_grad_norm:
             training (AdamW).
@@ -64,7 +60,7 @@ class ForgetMeNotMethod(ErasureMethod):
     """
 
     name = "fmn"
-    version = "3"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
@@ -72,7 +68,6 @@ class ForgetMeNotMethod(ErasureMethod):
         prompt_templates: Any = "a photo of {}",
         only_optimize_ca: bool = True,
         use_pooler: bool = True,
-        keys_only: bool = False,
         learning_rate: float = 2e-6,
         max_train_steps: int = 35,
         train_batch_size: int = 1,
@@ -87,7 +82,7 @@ class ForgetMeNotMethod(ErasureMethod):
             raise ConfigError("FMN needs train_batch_size >= 1 and num_images >= 1")
         super().__init__(
             prompt_templates=plain(prompt_templates), only_optimize_ca=bool(only_optimize_ca),
-            use_pooler=bool(use_pooler), keys_only=bool(keys_only), learning_rate=float(learning_rate),
+            use_pooler=bool(use_pooler), learning_rate=float(learning_rate),
             max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),
             max_grad_norm=float(max_grad_norm), num_images=int(num_images), sample_steps=int(sample_steps),
@@ -137,12 +132,7 @@ class ForgetMeNotMethod(ErasureMethod):
                 state["probs"].append(probs[b * heads : (b + 1) * heads][:, :, pos[b]].reshape(-1))
 
         recorder = CrossAttnRecorder(record)
-        if hp["only_optimize_ca"] and hp["keys_only"]:
-            keep = lambda name: ".attn2.to_k." in name  # noqa: E731
-        elif hp["only_optimize_ca"]:
-            keep = lambda name: ".attn2." in name  # noqa: E731
-        else:
-            keep = lambda name: True  # noqa: E731
+        keep = (lambda name: ".attn2." in name) if hp["only_optimize_ca"] else (lambda name: True)
         bs = hp["train_batch_size"]
         with fp32_training(unet), attn2_processors(unet, lambda name, m: Attn2Processor(name, recorder)):
             params = select_parameters(unet, keep)
