@@ -62,7 +62,15 @@ def test_the_base_model_draws_the_concept(base):
     assert base.ra_random >= 0.6
 
 
-@pytest.mark.parametrize("method", ev.METHODS)
+# The two longest erasures (500 and 800 ESD iterations, about 2 and 3 min on one thread) run
+# with -m slow, keeping CI under 30 minutes: ESD-500 is ESD's preset with more iterations (its
+# settings are checked below and ESD's floor runs here); docs/methods_tinyworld.md measures both
+# on all eight shapes.
+SLOW_FLOORS = {"esd_500", "esd_u"}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_FLOORS else m
+                                    for m in ev.METHODS])
 def test_each_method_erases_the_circle(cache, base, method):
     row = ev.evaluate_cell(method, CONCEPT, seed=SEED, images_per_prompt=IMAGES, cache_dir=cache, threads=THREADS)
     ea_floor, ra_floor = FLOORS.get(method, (EA_FLOOR, RA_FLOOR))
