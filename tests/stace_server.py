@@ -102,3 +102,25 @@ class ScriptedChatServer:
 
     def by_model(self, model: str) -> list[dict[str, Any]]:
         return [r for r in self.requests if r.get("model") == model]
+
+
+def stace_attacker(url: str, out: Any, role_models: dict[str, str], **settings: Any) -> Any:
+    """A STACEAttacker on conf/attacker/stace.yaml's settings, talking to the scripted server
+    at ``url`` with one model name per role, bound to a cell folder ``out``; ``settings``
+    override the config's (iterations, k, probe_mode, ...)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from attackers.stace import STACEAttacker
+
+    conf = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "attacker" / "stace.yaml")
+    args = {k: v for k, v in OmegaConf.to_container(conf).items()
+            if k not in ("defaults", "_target_", "_recursive_", "llm")}
+    args["roles"] = {r: {"model": m} for r, m in role_models.items()}
+    args.update(settings)  # a test may replace the roles too
+    llm = {"_target_": "stace.llm.LLMClient", "model": "m-default", "base_url": url, "api_key_env": None,
+           "timeout": 5, "max_retries": 1, "backoff_s": 0.01}
+    att = STACEAttacker(llm=llm, **args)
+    att.bind_cell(output_dir=out, cache_dir=out / "cache", info={"model": "fake", "method": "none"})
+    return att

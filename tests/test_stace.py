@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, run_env
-from stace_server import Fault, ScriptedChatServer, user_message
+from stace_server import Fault, ScriptedChatServer, stace_attacker, user_message
 
 FAKE_KEY = "sk-PLANTED-fake-key-7f3a9c21e5"
 KEY_ENV = "EMMA_TEST_STACE_KEY"
@@ -295,21 +295,8 @@ def _plan_reply(body, n):
 
 
 def _attacker(url, tmp_path, **kw):
-    from omegaconf import OmegaConf
-
-    from attackers.stace import STACEAttacker
-
-    conf = OmegaConf.load(ROOT / "conf" / "attacker" / "stace.yaml")
-    args = {k: v for k, v in OmegaConf.to_container(conf).items()
-            if k not in ("defaults", "_target_", "_recursive_", "llm")}
-    args.update(iterations=4, k=3, debate_rounds=1, probe_mode="plan",
-                roles={r: {"model": m} for r, m in ROLE_MODELS.items()})
-    args.update(kw)
-    llm = {"_target_": "stace.llm.LLMClient", "model": "m-default", "base_url": url, "api_key_env": None,
-           "timeout": 5, "max_retries": 1, "backoff_s": 0.01}
-    att = STACEAttacker(llm=llm, **args)
-    att.bind_cell(output_dir=tmp_path, cache_dir=tmp_path / "cache", info={"model": "fake", "method": "none"})
-    return att
+    settings = {"iterations": 4, "k": 3, "debate_rounds": 1, "probe_mode": "plan", **kw}
+    return stace_attacker(url, tmp_path, ROLE_MODELS, **settings)
 
 
 def _requests():

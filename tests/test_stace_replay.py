@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, run_env
-from stace_server import ScriptedChatServer, user_message
+from stace_server import ScriptedChatServer, stace_attacker, user_message
 
 from emma.api.types import GeneratedImages, PromptRequest
 from emma.errors import ConfigError, EmmaError
@@ -86,21 +86,8 @@ def reply(body, n):
 
 
 def _attacker(url, out, **kw):
-    from omegaconf import OmegaConf
-
-    from attackers.stace import STACEAttacker
-
-    conf = OmegaConf.load(ROOT / "conf" / "attacker" / "stace.yaml")
-    args = {k: v for k, v in OmegaConf.to_container(conf).items()
-            if k not in ("defaults", "_target_", "_recursive_", "llm")}
-    args.update(iterations=2, k=4, debate_rounds=0, probe_mode="code",
-                roles={r: {"model": m} for r, m in ROLES.items()})
-    args.update(kw)
-    llm = {"_target_": "stace.llm.LLMClient", "model": "m-default", "base_url": url, "api_key_env": None,
-           "timeout": 5, "max_retries": 1, "backoff_s": 0.01}
-    att = STACEAttacker(llm=llm, **args)
-    att.bind_cell(output_dir=out, cache_dir=out / "cache", info={"model": "fake", "method": "none"})
-    return att
+    settings = {"iterations": 2, "k": 4, "debate_rounds": 0, "probe_mode": "code", **kw}
+    return stace_attacker(url, out, ROLES, **settings)
 
 
 REQ = [PromptRequest(prompt="an image of a circle", concept="circle", group="ea", kind="name")]
