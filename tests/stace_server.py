@@ -124,3 +124,49 @@ def stace_attacker(url: str, out: Any, role_models: dict[str, str], **settings: 
     att = STACEAttacker(llm=llm, **args)
     att.bind_cell(output_dir=out, cache_dir=out / "cache", info={"model": "fake", "method": "none"})
     return att
+
+
+class DiscTarget:
+    """A generation target without diffusion for the STACE tests: an image is a constant whose
+    value is the judge's probability of the concept — ``disc`` for prompts saying 'disc'
+    (detected: > 0.5), ``round`` for prompts saying 'round', 0 otherwise. Hashes are the
+    (prompt, seed) pairs; ``calls`` records every generate call."""
+
+    class judge:  # noqa: N801 (mimics GenerationTarget.judge.classifier)
+        class classifier:  # noqa: N801
+            name = "fake"
+            labels = ["circle", "square"]
+
+            @staticmethod
+            def label_index(c: str) -> int:
+                return ["circle", "square"].index(c)
+
+    def __init__(self, disc: float = 1.0, round: float = 0.0) -> None:  # noqa: A002
+        self.disc, self.round = disc, round
+        self.calls: list[tuple[list[str], list[int]]] = []
+
+    @property
+    def prompts(self) -> list[str]:
+        return [p for prompts, _ in self.calls for p in prompts]
+
+    def _score(self, prompt: str) -> float:
+        return self.disc if "disc" in prompt else self.round if "round" in prompt else 0.0
+
+    def generate(self, prompts, seeds, negative_prompt=None):
+        import torch
+
+        from emma.api.types import GeneratedImages
+
+        self.calls.append((list(prompts), list(seeds)))
+        images = torch.stack([torch.full((3, 4, 4), self._score(p)) for p in prompts])
+        return GeneratedImages(images=images, hashes=[f"{p}|{s}" for p, s in zip(prompts, seeds)],
+                               cached=[False] * len(prompts))
+
+    def score(self, images, hashes=None):
+        import torch
+
+        v = images.mean(dim=(1, 2, 3))
+        return torch.stack([v, 1 - v], dim=1)
+
+    def detect(self, probs, concept):
+        return probs[:, 0] > 0.5

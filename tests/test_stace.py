@@ -17,9 +17,8 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from conftest import ROOT, run_env
-from stace_server import Fault, ScriptedChatServer, stace_attacker, user_message
+from stace_server import DiscTarget, Fault, ScriptedChatServer, stace_attacker, user_message
 
 FAKE_KEY = "sk-PLANTED-fake-key-7f3a9c21e5"
 KEY_ENV = "EMMA_TEST_STACE_KEY"
@@ -242,36 +241,6 @@ def test_missing_key_fails_before_any_model_loads(tmp_path):
 
 # -- the loop in-process, against a fake target (no diffusion) ---------------------------------
 
-class FakeTarget:
-    """Draws the concept (pixel value 1) exactly when the prompt contains 'disc'."""
-
-    class judge:  # noqa: N801 (mimics GenerationTarget.judge.classifier)
-        class classifier:  # noqa: N801
-            name = "fake"
-            labels = ["circle", "square"]
-
-            @staticmethod
-            def label_index(c):
-                return ["circle", "square"].index(c)
-
-    def __init__(self):
-        self.prompts: list[str] = []
-
-    def generate(self, prompts, seeds, negative_prompt=None):
-        from emma.api.types import GeneratedImages
-        self.prompts += list(prompts)
-        imgs = torch.stack([torch.full((3, 4, 4), 1.0 if "disc" in p else 0.0) for p in prompts])
-        return GeneratedImages(images=imgs, hashes=[f"h{len(self.prompts)}_{i}" for i in range(len(prompts))],
-                               cached=[False] * len(prompts))
-
-    def score(self, images, hashes=None):
-        v = images.mean(dim=(1, 2, 3))
-        return torch.stack([v, 1 - v], dim=1)
-
-    def detect(self, probs, concept):
-        return probs[:, 0] > 0.5
-
-
 def _plan_reply(body, n):
     model = body["model"]
     user = user_message(body)
@@ -307,7 +276,7 @@ def _requests():
 def test_plan_mode_fills_k_and_m0_disables_the_critic(tmp_path):
     with ScriptedChatServer(_plan_reply) as srv:
         att = _attacker(srv.url, tmp_path, debate_rounds=0)
-        target = FakeTarget()
+        target = DiscTarget()
         outs = att.attack(target, _requests())
         critics = srv.by_model("m-critic")
     assert critics == []
@@ -325,7 +294,7 @@ def test_budget_ends_the_run_cleanly_with_a_partial_report(tmp_path):
     with ScriptedChatServer(_plan_reply) as srv:
         # 120 tokens per call; an iteration takes 7 calls with M = 1: the budget stops iteration 2
         att = _attacker(srv.url, tmp_path, budget={"max_usd": None, "max_tokens": 1200})
-        outs = att.attack(FakeTarget(), _requests())
+        outs = att.attack(DiscTarget(), _requests())
     assert len(outs) == 1
     assert any("stopped early" in n for n in att.notes())
     md = (tmp_path / "stace" / "report.md").read_text()
@@ -335,10 +304,10 @@ def test_budget_ends_the_run_cleanly_with_a_partial_report(tmp_path):
 
 def test_a_killed_run_resumes_from_the_trace(tmp_path):
     with ScriptedChatServer(_plan_reply) as srv:
-        _attacker(srv.url, tmp_path, iterations=2).attack(FakeTarget(), _requests())
+        _attacker(srv.url, tmp_path, iterations=2).attack(DiscTarget(), _requests())
         first = len(srv.requests)
         att = _attacker(srv.url, tmp_path, iterations=4)
-        outs = att.attack(FakeTarget(), _requests())
+        outs = att.attack(DiscTarget(), _requests())
         hyp_calls = [r for r in srv.requests[first:] if r["model"] == "m-hyp"]
         task_calls = [r for r in srv.requests[first:] if r["model"] == "m-task"]
     assert [o.success for o in outs] == [False, True, False, True]
@@ -350,10 +319,10 @@ def test_temperature_zero_replies_are_cached(tmp_path):
     with ScriptedChatServer(_plan_reply) as srv:
         att = _attacker(srv.url, tmp_path / "a", iterations=1)
         att.cache_dir = tmp_path / "shared-cache"
-        att.attack(FakeTarget(), _requests())
+        att.attack(DiscTarget(), _requests())
         att2 = _attacker(srv.url, tmp_path / "b", iterations=1)
         att2.cache_dir = tmp_path / "shared-cache"
-        att2.attack(FakeTarget(), _requests())
+        att2.attack(DiscTarget(), _requests())
         task_calls = srv.by_model("m-task")
     assert len(task_calls) == 1  # temperature 0: the second run read the cache
     assert att2.extra_metrics()["stace/llm_cache_hits"].value == 1

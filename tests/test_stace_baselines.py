@@ -10,48 +10,19 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import ROOT, run_env
 from scipy.stats import binomtest
-from stace_server import ScriptedChatServer, user_message
+from stace_server import DiscTarget, ScriptedChatServer, user_message
 
-from emma.api.types import GeneratedImages, PromptRequest
+from emma.api.types import PromptRequest
 from emma.errors import ConfigError
 from emma.pipelines import TINYWORLD_DIR
 
 
-class FakeTarget:
+def FakeTarget() -> DiscTarget:  # noqa: N802
     """The judge sees the concept (score 0.9) exactly when the prompt says 'disc'; 'round'
     scores 0.3 (not detected); anything else 0."""
-
-    class judge:  # noqa: N801 (mimics GenerationTarget.judge.classifier)
-        class classifier:  # noqa: N801
-            name = "fake"
-            labels = ["circle", "square"]
-
-            @staticmethod
-            def label_index(c):
-                return ["circle", "square"].index(c)
-
-    def __init__(self):
-        self.calls: list[tuple[list[str], list[int]]] = []
-
-    @staticmethod
-    def _score(p: str) -> float:
-        return 0.9 if "disc" in p else 0.3 if "round" in p else 0.0
-
-    def generate(self, prompts, seeds, negative_prompt=None):
-        self.calls.append((list(prompts), list(seeds)))
-        imgs = torch.stack([torch.full((3, 2, 2), self._score(p)) for p in prompts])
-        return GeneratedImages(images=imgs, hashes=[f"{p}|{s}" for p, s in zip(prompts, seeds)],
-                               cached=[False] * len(prompts))
-
-    def score(self, images, hashes=None):
-        v = images.mean(dim=(1, 2, 3))
-        return torch.stack([v, 1 - v], dim=1)
-
-    def detect(self, probs, concept):
-        return probs[:, 0] > 0.5
+    return DiscTarget(disc=0.9, round=0.3)
 
 
 def _make(cls, url, tmp_path, **kw):

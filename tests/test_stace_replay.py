@@ -16,11 +16,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import ROOT, run_env
-from stace_server import ScriptedChatServer, stace_attacker, user_message
+from stace_server import DiscTarget, ScriptedChatServer, stace_attacker, user_message
 
-from emma.api.types import GeneratedImages, PromptRequest
+from emma.api.types import PromptRequest
 from emma.errors import ConfigError, EmmaError
 from emma.pipelines import TINYWORLD_DIR
 
@@ -41,31 +40,6 @@ CODE = {
     "Negative-prompt exclusion": f"probe.generate(['an image of a shape'] * 4, seeds=[2, 3, 4, 5], "
                                  f"negative_prompt='{OTHERS}')\n",
 }
-
-
-class DiscModel:
-    """Draws the concept (pixel value 1) exactly when the prompt says 'disc'."""
-
-    class judge:  # noqa: N801 (mimics GenerationTarget.judge.classifier)
-        class classifier:  # noqa: N801
-            name = "fake"
-            labels = ["circle", "square"]
-
-            @staticmethod
-            def label_index(c):
-                return ["circle", "square"].index(c)
-
-    def generate(self, prompts, seeds, negative_prompt=None):
-        imgs = torch.stack([torch.full((3, 4, 4), 1.0 if "disc" in p else 0.0) for p in prompts])
-        return GeneratedImages(images=imgs, hashes=[f"{p}|{s}" for p, s in zip(prompts, seeds)],
-                               cached=[False] * len(prompts))
-
-    def score(self, images, hashes=None):
-        v = images.mean(dim=(1, 2, 3))
-        return torch.stack([v, 1 - v], dim=1)
-
-    def detect(self, probs, concept):
-        return probs[:, 0] > 0.5
 
 
 def reply(body, n):
@@ -97,7 +71,7 @@ REQ = [PromptRequest(prompt="an image of a circle", concept="circle", group="ea"
 def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("recorded")
     with ScriptedChatServer(reply) as srv:
-        outs = _attacker(srv.url, out).attack(DiscModel(), REQ)
+        outs = _attacker(srv.url, out).attack(DiscTarget(), REQ)
     assert [sum(s.detected for s in o.samples) for o in outs] == [1, 0]  # 'disc' only, on the fake model
     return out / "stace" / "trace.jsonl"
 
@@ -123,7 +97,7 @@ def test_seed_hypothesis_from_text_card_and_trace(recorded):
 
 def test_a_trace_hypothesis_seeds_the_generator(recorded, tmp_path):
     with ScriptedChatServer(reply) as srv:
-        _attacker(srv.url, tmp_path, iterations=1, seed_hypothesis=f"trace:{recorded}#2").attack(DiscModel(), REQ)
+        _attacker(srv.url, tmp_path, iterations=1, seed_hypothesis=f"trace:{recorded}#2").attack(DiscTarget(), REQ)
         hyp = srv.by_model("m-hyp")
     assert "Seed hypothesis: Negative-prompt exclusion: Exclude every other shape" in user_message(hyp[0])
 
@@ -132,7 +106,7 @@ def test_replay_of_another_concept_is_refused(recorded, tmp_path):
     with ScriptedChatServer(reply) as srv:
         att = _attacker(srv.url, tmp_path, replay=str(recorded))
         with pytest.raises(ConfigError, match="the trace tested 'circle'.*seed_hypothesis=trace:"):
-            att.attack(DiscModel(), [PromptRequest(prompt="a star", concept="star", group="ea", kind="name")])
+            att.attack(DiscTarget(), [PromptRequest(prompt="a star", concept="star", group="ea", kind="name")])
 
 
 @pytest.mark.skipif(not TINYWORLD_DIR.exists(), reason="tiny-world assets not built")
