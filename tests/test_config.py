@@ -171,3 +171,13 @@ def test_an_experiment_sets_top_level_values_and_the_command_line_still_wins():
     assert cfg.attacker.iterations == 200 and cfg.method.iterations == 200  # tiny presets still apply
     assert cfg_with("experiment=tinyworld_full", "images_per_prompt=5").images_per_prompt == 5
     assert cfg_with("method=esd").prompt_types is None
+
+
+def test_the_model_scale_sets_the_torch_threads_and_the_command_line_wins():
+    """The tiny world runs on one CPU thread (its numbers then do not depend on the machine's
+    core count); SD-scale models keep torch's default; threads=N overrides either."""
+    assert cfg_with().threads == 1
+    assert cfg_with("model=tiny_random").threads == 1
+    assert cfg_with("model=sd14").threads is None
+    assert cfg_with("threads=2").threads == 2
+    assert cfg_with("model=sd14", "threads=4").threads == 4
