@@ -74,6 +74,8 @@ SLOW_FLOORS = {"esd_500", "esd_u"}
 def test_each_method_erases_the_circle(cache, base, method):
     row = ev.evaluate_cell(method, CONCEPT, seed=SEED, images_per_prompt=IMAGES, cache_dir=cache, threads=THREADS)
     ea_floor, ra_floor = FLOORS.get(method, (EA_FLOOR, RA_FLOOR))
+    print(f"{method} seed {SEED} threads {THREADS}: EA {row.ea_name:.2f} RA {row.ra_random:.2f} "
+          f"({row.ra_random / base.ra_random:.2f} x base {base.ra_random:.2f})")  # the spread, with -rP
     assert row.ea_name >= ea_floor, row
     assert row.ra_random >= ra_floor * base.ra_random, row
 
