@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 
 SEGMENTERS = ("auto", "grounded_sam", "attention", "none")
 POOLERS = ("all", "first")
+TECHNIQUES = ("replace", "tensor")
 GROUNDING_DINO_ID = "IDEA-Research/grounding-dino-base"
 SAM_ID = "facebook/sam-vit-huge"
 
@@ -176,7 +177,8 @@ class MACEMethod(ErasureMethod):
 
     Args:
         mapping_concepts: per domain, the concept each erased concept is mapped to (a string
-            or ``{concept: mapping, _default: mapping}``).
+            or ``{concept: mapping, _default: mapping}``); a mapping may be a list of concepts,
+            whose outputs the refinement averages (the erased concept is left out of it).
         prompt_templates: per domain, prompt templates with ``{}`` for the concept (``None``
             or a missing domain -> MACE's object templates, or its style templates for style
             domains).
@@ -187,6 +189,10 @@ class MACEMethod(ErasureMethod):
         all_words: the reference's ``all_words`` switch of the refinement: map every token of
             the concept prompt (the concept's own tokens too, position by position) onto the
             mapping prompt's, instead of only the tokens the two prompts share.
+        technique: targets of the refinement: ``replace`` (the mapping prompt's outputs, the
+            reference's) or ``tensor`` (those outputs less their component along the concept
+            prompt's own outputs, one unit direction per prompt pair, as UCE's ``tensor``
+            technique) for mapping concepts whose prompts draw the erased concept themselves.
         train_preserve_scale / fuse_preserve_scale: weights of the preservation statistics of
             ``preserve_concepts`` in the two closed forms (MACE caches COCO captions there).
         preserve_concepts: per domain, prompts whose outputs are preserved.
@@ -219,6 +225,7 @@ class MACEMethod(ErasureMethod):
         aug_length: int = 30,
         lamb: float = 1e3,
         all_words: bool = False,
+        technique: str = "replace",
         train_preserve_scale: float = 0.0,
         fuse_preserve_scale: float = 0.0,
         preserve_concepts: Any = None,
@@ -249,6 +256,8 @@ class MACEMethod(ErasureMethod):
             segmenter = "grounded_sam" if grounded_sam_available() else "attention"
             if segmenter == "attention":
                 logger.info("MACE: GroundingDINO/SAM weights not found; using attention masks")
+        if technique not in TECHNIQUES:
+            raise UnknownChoiceError("MACE technique", str(technique), TECHNIQUES)
         if pooler not in POOLERS:
             raise UnknownChoiceError("MACE pooler", str(pooler), POOLERS)
         if int(rank) < 1 or int(num_images) < 1 or int(aug_length) < 1:
@@ -256,7 +265,8 @@ class MACEMethod(ErasureMethod):
         super().__init__(
             mapping_concepts=plain(mapping_concepts), prompt_templates=plain(prompt_templates),
             data_prompts=plain(data_prompts), num_images=int(num_images), aug_length=int(aug_length),
-            lamb=float(lamb), all_words=bool(all_words), train_preserve_scale=float(train_preserve_scale),
+            lamb=float(lamb), all_words=bool(all_words), technique=technique,
+            train_preserve_scale=float(train_preserve_scale),
             fuse_preserve_scale=float(fuse_preserve_scale), preserve_concepts=plain(preserve_concepts),
             learning_rate=float(learning_rate), max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),
@@ -297,9 +307,9 @@ class MACEMethod(ErasureMethod):
         # Per concept: (instance prompt, mapped prompt) pairs from a seeded template choice.
         pairs: dict[str, list[tuple[str, str]]] = {}
         for c in concepts:
-            m = for_concept(mappings, c, what="MACE mapping_concepts")
+            ms = mapping_list(for_concept(mappings, c, what="MACE mapping_concepts"), c)
             order = torch.randperm(len(templates), generator=gen)[: hp["aug_length"]].tolist()
-            pairs[c] = [(templates[i].format(c), templates[i].format(m)) for i in order]
+            pairs[c] = [(templates[i].format(c), templates[i].format(m)) for i in order for m in ms]
 
         # Training images (and masks) are drawn by the model before it is edited.
         data = {}
@@ -337,8 +347,13 @@ class MACEMethod(ErasureMethod):
                 hp: dict[str, Any]) -> None:
         contexts, targets_emb = [], []
         for plist in pairs.values():
+            # A prompt with k mappings has k pairs, each weighted 1/k (both sides scaled by
+            # 1/sqrt(k)): the solve fits the mean of its mappings' outputs, at the weight of one.
+            count: dict[str, int] = {}
+            for old, _ in plist:
+                count[old] = count.get(old, 0) + 1
             for old, new in plist:
-                emb = encode_text(pipe, [old, new]).double()
+                emb = encode_text(pipe, [old, new]).double() / count[old] ** 0.5
                 if hp["all_words"]:  # every position, the concept's tokens included
                     oi = ni = list(range(emb.shape[1]))
                 else:
@@ -347,10 +362,13 @@ class MACEMethod(ErasureMethod):
                 targets_emb.append(emb[1, ni])
         c = torch.cat(contexts)
         t = torch.cat(targets_emb)
+        spans = [len(x) for x in contexts]
         new = []
         for lay, (p1, p2) in zip(layers, pres_stats, strict=True):
             w = lay.weight.detach()
             v = t.to(w.device) @ w.double().T
+            if hp["technique"] == "tensor":
+                v = tensor_targets(c.to(w.device) @ w.double().T, v, spans)
             new.append(_closed_form_with_stats(w, c.to(w.device), v, hp["lamb"],
                                                hp["train_preserve_scale"], p1, p2))
         for lay, w in zip(layers, new, strict=True):
@@ -366,7 +384,7 @@ class MACEMethod(ErasureMethod):
         sched = training_scheduler(pipe)
         n_t = sched.config.num_train_timesteps
         weights = mace_importance_weights(n_t) if hp["importance_sampling"] else None
-        prompts = [old for old, _ in plist]
+        prompts = list(dict.fromkeys(old for old, _ in plist))
         embs = encode_text(pipe, prompts)
         positions = torch.stack([concept_positions(pipe.tokenizer, p, concept, use_pooler=hp["use_pooler"],
                                                    pooler=hp["pooler"])
@@ -439,8 +457,8 @@ class MACEMethod(ErasureMethod):
         names = [n for n, _ in attn2_modules(pipe.unet)]
         # Layer order is [to_v of each module..., to_k of each module...].
         lora_delta = {c: [deltas[c][n][1] for n in names] + [deltas[c][n][0] for n in names] for c in deltas}
-        embs = {c: encode_text(pipe, [old for old, _ in plist]).double().reshape(-1, layers[0].in_features)
-                for c, plist in pairs.items()}
+        embs = {c: encode_text(pipe, list(dict.fromkeys(old for old, _ in plist))).double()
+                .reshape(-1, layers[0].in_features) for c, plist in pairs.items()}
         new = []
         for li, (lay, (p1, p2)) in enumerate(zip(layers, pres_stats, strict=True)):
             w = lay.weight.detach().double()
@@ -506,6 +524,28 @@ def _closed_form_with_stats(weight: torch.Tensor, keys: torch.Tensor, values: to
     if not torch.isfinite(w).all():
         raise ConfigError("MACE closed form produced non-finite weights; raise lamb above 0")
     return w
+
+
+def mapping_list(mapping: Any, concept: str) -> list[str]:
+    """A concept's mapping concepts: one string, or a list (the erased concept itself dropped,
+    so that ``${emma.other_concepts:...}`` or a whole domain's list can be given)."""
+    if isinstance(mapping, str):
+        return [mapping]
+    out = [str(m) for m in (mapping or []) if str(m).lower() != concept.lower()]
+    if not out:
+        raise ConfigError(f"MACE mapping_concepts for {concept!r} is empty; give a concept or a list of "
+                          f"concepts other than the erased one, got {mapping!r}")
+    return out
+
+
+def tensor_targets(old_vals: torch.Tensor, new_vals: torch.Tensor, spans: Sequence[int]) -> torch.Tensor:
+    """Per prompt pair (consecutive rows, ``spans`` long): the mapping outputs less their
+    component along the concept prompt's outputs (one unit direction over the pair's tokens)."""
+    out = []
+    for o, g in zip(old_vals.split(list(spans)), new_vals.split(list(spans)), strict=True):
+        u = o / o.norm().clamp_min(1e-12)
+        out.append(g - (u * g).sum() * u)
+    return torch.cat(out)
 
 
 def matching_token_indices(tokenizer: Any, old: str, new: str) -> tuple[list[int], list[int]]:
