@@ -213,7 +213,7 @@ class MACEMethod(ErasureMethod):
     """
 
     name = "mace"
-    version = "1"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
