@@ -213,7 +213,7 @@ class MACEMethod(ErasureMethod):
     """
 
     name = "mace"
-    version = "2"
+    version = "1"
     edited_components = ("unet",)
 
     def __init__(
