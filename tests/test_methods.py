@@ -20,7 +20,7 @@ from emma.methods.ca import ConceptAblationMethod, start_token_detached
 from emma.methods.checkpoint import CheckpointMethod
 from emma.methods.esd import ESDMethod
 from emma.methods.fmn import ForgetMeNotMethod
-from emma.methods.mace import TECHNIQUES, MACEMethod, mapping_list, matching_token_indices, tensor_targets
+from emma.methods.mace import MACEMethod, mapping_list, matching_token_indices
 from emma.methods.uce import UCEMethod, uce_closed_form
 from emma.pipelines import fingerprint, tiny_random_pipeline
 
@@ -345,42 +345,6 @@ def test_mace_all_words_refines_the_concept_token_too(base):
         m._refine(pipe, {"circle": [(old, new)]}, layers, [(None, None)] * len(layers), m.hparams)
         errors[all_words] = float((layers[0](emb[0, pos]) - target).norm() / target.norm())
     assert errors[True] < 0.05 < errors[False]
-
-
-def test_mace_tensor_targets_remove_the_concept_direction():
-    g = torch.Generator().manual_seed(0)
-    old, new = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
-    out = tensor_targets(old, new, [2, 3])
-    for o, n, t in zip(old.split([2, 3]), new.split([2, 3]), out.split([2, 3]), strict=True):
-        assert abs(float((o * t).sum())) < 1e-9  # nothing left along the pair's concept outputs
-        removed = (n - t).flatten()
-        cos = float(removed @ o.flatten() / (removed.norm() * o.flatten().norm()))
-        assert abs(abs(cos) - 1) < 1e-9  # and only that direction was removed
-    assert not torch.allclose(out, new)
-
-
-@torch.no_grad()
-def test_mace_tensor_technique_refines_towards_targets_without_the_concept(base):
-    """With technique=tensor the refined projections send the concept prompt's shared tokens
-    to outputs orthogonal to what they were (the mapping's outputs less the concept's
-    direction); replace sends them to the mapping's outputs, which keep a large component."""
-    from emma.methods._common import attn2_modules, encode_text
-
-    old, new = "an image of a circle", "an image of a shape"
-    oi, _ = matching_token_indices(base.tokenizer, old, new)
-    emb = encode_text(base, [old])[0, oi].double()
-    cos = {}
-    for technique in TECHNIQUES:
-        pipe = copy.deepcopy(base)
-        m = MACEMethod(technique=technique, lamb=1e-3, progress=False)
-        layers = [mod.to_v for _, mod in attn2_modules(pipe.unet)]
-        before = emb @ layers[0].weight.double().T
-        m._refine(pipe, {"circle": [(old, new)]}, layers, [(None, None)] * len(layers), m.hparams)
-        after = emb @ layers[0].weight.double().T
-        cos[technique] = float((before * after).sum() / (before.norm() * after.norm()))
-    assert abs(cos["tensor"]) < 0.05 < cos["replace"]
-    with pytest.raises(UnknownChoiceError, match="tensor"):
-        MACEMethod(technique="orthogonal")
 
 
 @torch.no_grad()

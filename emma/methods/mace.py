@@ -75,7 +75,6 @@ logger = logging.getLogger(__name__)
 
 SEGMENTERS = ("auto", "grounded_sam", "attention", "none")
 POOLERS = ("all", "first")
-TECHNIQUES = ("replace", "tensor")
 GROUNDING_DINO_ID = "IDEA-Research/grounding-dino-base"
 SAM_ID = "facebook/sam-vit-huge"
 
@@ -189,10 +188,6 @@ class MACEMethod(ErasureMethod):
         all_words: the reference's ``all_words`` switch of the refinement: map every token of
             the concept prompt (the concept's own tokens too, position by position) onto the
             mapping prompt's, instead of only the tokens the two prompts share.
-        technique: targets of the refinement: ``replace`` (the mapping prompt's outputs, the
-            reference's) or ``tensor`` (those outputs less their component along the concept
-            prompt's own outputs, one unit direction per prompt pair, as UCE's ``tensor``
-            technique) for mapping concepts whose prompts draw the erased concept themselves.
         train_preserve_scale / fuse_preserve_scale: weights of the preservation statistics of
             ``preserve_concepts`` in the two closed forms (MACE caches COCO captions there).
         preserve_concepts: per domain, prompts whose outputs are preserved.
@@ -225,7 +220,6 @@ class MACEMethod(ErasureMethod):
         aug_length: int = 30,
         lamb: float = 1e3,
         all_words: bool = False,
-        technique: str = "replace",
         train_preserve_scale: float = 0.0,
         fuse_preserve_scale: float = 0.0,
         preserve_concepts: Any = None,
@@ -256,8 +250,6 @@ class MACEMethod(ErasureMethod):
             segmenter = "grounded_sam" if grounded_sam_available() else "attention"
             if segmenter == "attention":
                 logger.info("MACE: GroundingDINO/SAM weights not found; using attention masks")
-        if technique not in TECHNIQUES:
-            raise UnknownChoiceError("MACE technique", str(technique), TECHNIQUES)
         if pooler not in POOLERS:
             raise UnknownChoiceError("MACE pooler", str(pooler), POOLERS)
         if int(rank) < 1 or int(num_images) < 1 or int(aug_length) < 1:
@@ -265,8 +257,7 @@ class MACEMethod(ErasureMethod):
         super().__init__(
             mapping_concepts=plain(mapping_concepts), prompt_templates=plain(prompt_templates),
             data_prompts=plain(data_prompts), num_images=int(num_images), aug_length=int(aug_length),
-            lamb=float(lamb), all_words=bool(all_words), technique=technique,
-            train_preserve_scale=float(train_preserve_scale),
+            lamb=float(lamb), all_words=bool(all_words), train_preserve_scale=float(train_preserve_scale),
             fuse_preserve_scale=float(fuse_preserve_scale), preserve_concepts=plain(preserve_concepts),
             learning_rate=float(learning_rate), max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),
@@ -362,13 +353,10 @@ class MACEMethod(ErasureMethod):
                 targets_emb.append(emb[1, ni])
         c = torch.cat(contexts)
         t = torch.cat(targets_emb)
-        spans = [len(x) for x in contexts]
         new = []
         for lay, (p1, p2) in zip(layers, pres_stats, strict=True):
             w = lay.weight.detach()
             v = t.to(w.device) @ w.double().T
-            if hp["technique"] == "tensor":
-                v = tensor_targets(c.to(w.device) @ w.double().T, v, spans)
             new.append(_closed_form_with_stats(w, c.to(w.device), v, hp["lamb"],
                                                hp["train_preserve_scale"], p1, p2))
         for lay, w in zip(layers, new, strict=True):
@@ -536,16 +524,6 @@ def mapping_list(mapping: Any, concept: str) -> list[str]:
         raise ConfigError(f"MACE mapping_concepts for {concept!r} is empty; give a concept or a list of "
                           f"concepts other than the erased one, got {mapping!r}")
     return out
-
-
-def tensor_targets(old_vals: torch.Tensor, new_vals: torch.Tensor, spans: Sequence[int]) -> torch.Tensor:
-    """Per prompt pair (consecutive rows, ``spans`` long): the mapping outputs less their
-    component along the concept prompt's outputs (one unit direction over the pair's tokens)."""
-    out = []
-    for o, g in zip(old_vals.split(list(spans)), new_vals.split(list(spans)), strict=True):
-        u = o / o.norm().clamp_min(1e-12)
-        out.append(g - (u * g).sum() * u)
-    return torch.cat(out)
 
 
 def matching_token_indices(tokenizer: Any, old: str, new: str) -> tuple[list[int], list[int]]:
