@@ -125,40 +125,6 @@ def test_fmn_changes_only_cross_attention(base, pipe):
     assert any(".to_k." in k for k in ch)
 
 
-def test_fmn_template_list_draws_a_template_per_step(base, monkeypatch):
-    """A one-template list trains exactly as the bare string; with several, the training
-    steps see the concept in several templates (its token at several positions)."""
-    import emma.methods.fmn as fmn_module
-
-    a, b = copy.deepcopy(base), copy.deepcopy(base)
-    small("fmn", prompt_templates="an image of a {}").erase(a, ["circle"], seed=0, domain=DOMAIN)
-    small("fmn", prompt_templates=["an image of a {}"]).erase(b, ["circle"], seed=0, domain=DOMAIN)
-    assert fingerprint(a) == fingerprint(b)
-
-    encoded: list[list[str]] = []
-    drawn: list[int] = []
-    encode, randint = fmn_module.encode_text, fmn_module.randint
-    monkeypatch.setattr(fmn_module, "encode_text", lambda pipe, prompts: encoded.append(list(prompts))
-                        or encode(pipe, prompts))
-
-    def recording_randint(high, gen, low=0):
-        drawn.append(randint(high, gen, low)) if high == 3 else None
-        return drawn[-1] if high == 3 else randint(high, gen, low)
-
-    monkeypatch.setattr(fmn_module, "randint", recording_randint)
-    c = copy.deepcopy(base)
-    templates = ["an image of a {}", "{}", "a small red {}"]
-    m = ForgetMeNotMethod(num_images=2, max_train_steps=12, sample_steps=2, learning_rate=1e-3, progress=False,
-                          prompt_templates={"tinyworld": templates})
-    assert m.prompts(["circle"], DOMAIN) == ["an image of a circle"]  # images are drawn with the first
-    m.erase(c, ["circle"], seed=0, domain=DOMAIN)
-    assert encoded == [[t.format("circle") for t in templates]]
-    assert len(drawn) == 12 and len(set(drawn)) > 1  # one template per step, not always the same
-    assert changed(a, c)
-    with pytest.raises(ConfigError, match="non-empty list"):
-        small("fmn", prompt_templates=["an image of a"]).erase(copy.deepcopy(base), ["circle"], domain=DOMAIN)
-
-
 def test_ca_start_token_gets_no_gradient(base):
     unet = copy.deepcopy(base.unet)
     name, to_k = next((n, m) for n, m in unet.named_modules() if n.endswith(".attn2.to_k"))

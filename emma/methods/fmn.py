@@ -48,10 +48,7 @@ class ForgetMeNotMethod(ErasureMethod):
     """Forget-Me-Not attention re-steering.
 
     Args:
-        prompt_templates: per domain, the training prompt template with ``{}`` for the concept,
-            or a list of templates: images are drawn with the first, and each training step
-            pairs an image with a template drawn at random (the concept's tokens then move
-            between positions, so the loss cannot be met by ignoring one position of the prompt).
+        prompt_templates: per domain, the training prompt template with ``{}`` for the concept.
         only_optimize_ca: fine-tune the cross-attention modules (``attn2``) only; otherwise the
             whole UNet.
         use_pooler: add the end-of-text tokens to the re-steered tokens.
@@ -93,18 +90,11 @@ class ForgetMeNotMethod(ErasureMethod):
         )
         self.progress = bool(progress)
 
-    def templates(self, domain: str | None) -> list[str]:
-        """The domain's training templates (one or more)."""
-        value = for_domain(self.hparams["prompt_templates"], domain, what="FMN prompt_templates")
-        out = [value] if isinstance(value, str) else list(value or [])
-        if not out or any(not isinstance(t, str) or t.count("{}") != 1 for t in out):
-            raise ConfigError("FMN prompt_templates must be a string with one '{}' or a non-empty list of "
-                              f"them, got {value!r}")
-        return out
-
     def prompts(self, concepts: Sequence[str], domain: str | None) -> list[str]:
-        """One training prompt per concept (its first template): the prompt its images are drawn with."""
-        template = self.templates(domain)[0]
+        """One training prompt per concept."""
+        template = for_domain(self.hparams["prompt_templates"], domain, what="FMN prompt_templates")
+        if not isinstance(template, str) or template.count("{}") != 1:
+            raise ConfigError(f"FMN prompt template must be a string with one '{{}}', got {template!r}")
         return [template.format(c) for c in concepts]
 
     def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
@@ -114,7 +104,6 @@ class ForgetMeNotMethod(ErasureMethod):
         hp = self.hparams
         gen = cpu_generator(seed)
         prompts = self.prompts(concepts, domain)
-        templates = self.templates(domain)
         n = hp["num_images"]
         # Image j shows concept j // n (drawn by the unedited model).
         seeds = [randint(2**31 - 1, gen) for _ in range(n * len(concepts))]
@@ -123,14 +112,12 @@ class ForgetMeNotMethod(ErasureMethod):
                                    num_inference_steps=hp["sample_steps"],
                                    guidance_scale=hp["sample_guidance"], progress=self.progress,
                                    desc="FMN images")
-        # Row k * len(templates) + j: concept k in template j.
-        train_prompts = [t.format(c) for c in concepts for t in templates]
-        emb = encode_text(pipe, train_prompts)
+        emb = encode_text(pipe, prompts)
         # The pooled end token only: FMN's repository (SD 2.1) pads with "!", so its pooler
         # mask never covered padding; with SD v1.x's end-token padding we keep that meaning.
-        positions = torch.stack([concept_positions(pipe.tokenizer, p, concepts[i // len(templates)],
-                                                   use_pooler=hp["use_pooler"], pooler="first")
-                                 for i, p in enumerate(train_prompts)])
+        positions = torch.stack([concept_positions(pipe.tokenizer, p, c, use_pooler=hp["use_pooler"],
+                                                   pooler="first")
+                                 for p, c in zip(prompts, concepts, strict=True)])
 
         unet = pipe.unet
         device, dtype = unet.device, unet.dtype
@@ -161,9 +148,7 @@ class ForgetMeNotMethod(ErasureMethod):
                     if not order:
                         order = torch.randperm(len(latents), generator=gen).tolist()
                     idx.append(order.pop())
-                # One template: no draw, so a single template's numbers are those of before.
-                who = [owner[i] * len(templates) + (randint(len(templates), gen) if len(templates) > 1 else 0)
-                       for i in idx]
+                who = [owner[i] for i in idx]
                 x0 = latents[idx].to(device, torch.float32)
                 noise = randn(x0.shape, gen, like=x0)
                 t = torch.randint(0, n_t, (len(idx),), generator=gen).to(device)
