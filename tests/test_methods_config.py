@@ -142,7 +142,8 @@ def test_emma_guide_concepts_per_domain():
 def test_paper_defaults_of_the_newer_methods():
     rece = method_cfg("rece")
     assert (rece.epochs, rece.lamb, rece.erase_scale, rece.preserve_scale, rece.regular_scale, rece.uce_lamb,
-            rece.with_to_k) == (5, 0.1, 1.0, 0.1, 1e-3, 0.5, True)
+            rece.with_to_k, rece.technique, rece.keep_erased) == (1, 0.1, 1.0, 0.1, 1e-3, 0.5, True, "replace", False)
+    assert (rece.uce_erase_scale, rece.uce_technique, rece.uce_add_prompts) == (1.0, "replace", False)
     # SLD's four configurations (Schramowski et al., Table / diffusers' SafetyConfig)
     sld = {n: method_cfg(n) for n in ("sld_weak", "sld", "sld_strong", "sld_max")}
     keys = ("sld_warmup_steps", "sld_guidance_scale", "sld_threshold", "sld_momentum_scale", "sld_mom_beta")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from emma.cache import ImageCache, from_uint8, to_uint8
-from emma.errors import ConfigError, WeightsUnavailableError
+from emma.errors import ConfigError, EmmaError, WeightsUnavailableError
 from emma.generate import CachedGenerator
 from emma.methods.rece import RECEMethod, rece_adversarial_embedding
 from emma.methods.salun import SalUnMethod, saliency_mask
@@ -106,10 +106,11 @@ def test_rece_adversarial_embedding_equals_stacked_least_squares():
     torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
 
 
-def test_rece_one_round_equals_independent_solves_on_the_pipeline(base, pipe):
+@pytest.mark.parametrize(("technique", "keep_erased"), [("replace", False), ("tensor", True)])
+def test_rece_one_round_equals_independent_solves_on_the_pipeline(base, pipe, technique, keep_erased):
     lamb, s_e, s_p, gamma = 0.1, 1.0, 0.1, 1e-3
-    RECEMethod(epochs=1, lamb=lamb, erase_scale=s_e, preserve_scale=s_p, regular_scale=gamma).erase(
-        pipe, ["circle"], domain=DOMAIN)
+    RECEMethod(epochs=1, lamb=lamb, erase_scale=s_e, preserve_scale=s_p, regular_scale=gamma,
+               technique=technique, keep_erased=keep_erased).erase(pipe, ["circle"], domain=DOMAIN)
     uce = copy.deepcopy(base)
     UCEMethod(guide_concepts="").erase(uce, ["circle"], domain=DOMAIN)
     names = sorted(kv_weights(base))
@@ -123,10 +124,17 @@ def test_rece_one_round_equals_independent_solves_on_the_pipeline(base, pipe):
     b = torch.cat([c @ w_0[n].T for n in order] + [torch.zeros_like(c)], dim=1).T
     adv = torch.linalg.lstsq(a, b).solution.T
     guide, keep = embed(base, " "), embed(base, "")
+    if keep_erased:  # the erased prompt's current (UCE-edited) outputs are kept too
+        keep = torch.cat([keep, c])
     for n in names:
         w = w_uce[n]
+        target = guide @ w.T
+        if technique == "tensor":  # less the component along the adversarial outputs (one unit vector)
+            u = (adv @ w.T).flatten()
+            u = u / torch.linalg.vector_norm(u)
+            target = (target.flatten() - torch.dot(u, target.flatten()) * u).reshape(target.shape)
         a = torch.cat([s_e**0.5 * adv, s_p**0.5 * keep, lamb**0.5 * torch.eye(w.shape[1], dtype=torch.float64)])
-        b = torch.cat([s_e**0.5 * guide @ w.T, s_p**0.5 * keep @ w.T, lamb**0.5 * w.T])
+        b = torch.cat([s_e**0.5 * target, s_p**0.5 * keep @ w.T, lamb**0.5 * w.T])
         ref = torch.linalg.lstsq(a, b).solution.T
         torch.testing.assert_close(pipe.unet.state_dict()[n].double(), ref, rtol=1e-4, atol=1e-5)
 
@@ -136,6 +144,27 @@ def test_rece_without_rounds_is_uce_towards_the_unconditional_prompt(base, pipe)
     uce = copy.deepcopy(base)
     UCEMethod(guide_concepts="").erase(uce, ["circle"], domain=DOMAIN)
     assert fingerprint(pipe) == fingerprint(uce)
+
+
+def test_rece_without_rounds_is_uce_with_the_uce_settings_it_is_given(base, pipe):
+    # the tiny-world presets' UCE: guide "shape", template expansion, "tensor" at erase scale 10
+    RECEMethod(epochs=0, guide_concepts="shape", preserve_concepts=["<others>"], uce_erase_scale=10.0,
+               uce_technique="tensor", uce_add_prompts=True).erase(pipe, ["circle"], domain=DOMAIN)
+    uce = copy.deepcopy(base)
+    others = ["square", "triangle", "star", "heart", "cross", "crescent", "diamond"]
+    UCEMethod(guide_concepts="shape", preserve_concepts=others, erase_scale=10.0, technique="tensor",
+              add_prompts=True).erase(uce, ["circle"], domain=DOMAIN)
+    assert fingerprint(pipe) == fingerprint(uce)
+    plain_uce = copy.deepcopy(base)
+    UCEMethod(guide_concepts="shape", preserve_concepts=others).erase(plain_uce, ["circle"], domain=DOMAIN)
+    assert fingerprint(plain_uce) != fingerprint(uce)
+
+
+def test_rece_rejects_an_unknown_technique():
+    with pytest.raises(EmmaError, match="replace"):
+        RECEMethod(technique="project")
+    with pytest.raises(EmmaError, match="tensor"):
+        RECEMethod(uce_technique="project")
 
 
 def test_rece_preserve_others_expands_to_the_domain_s_shapes():

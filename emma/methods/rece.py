@@ -9,16 +9,24 @@ RECE starts from a UCE edit of the cross-attention keys and values (``attn2.to_k
        e' = argmin_e  Σ_l |W_l e − W⁰_l c|² + γ |e|²  =  (Σ_l W_lᵀW_l + γ I)⁻¹ (Σ_l W_lᵀ W⁰_l) c
 
    (the repository's "regzero" regularisation, γ = ``regular_scale``), per token of the
-   concept prompt's full embedding ``c``: the embedding that would bring the concept back.
-2. **Erase it.** The UCE closed form maps ``e'`` to the guide's outputs ``W_l g`` while the
-   preserve prompts keep ``W_l c_p`` and λ pulls towards the current weights:
+   concept prompt's full embedding ``c`` (every prompt the UCE edit erased: the concepts,
+   and their template expansions with ``uce_add_prompts``): the embedding that would bring
+   the concept back.
+2. **Erase it.** The UCE closed form maps ``e'`` to the guide's outputs ``W_l g`` (or, with
+   ``technique="tensor"``, those less their component along ``W_l e'``) while the preserve
+   prompts keep ``W_l c_p`` and λ pulls towards the current weights:
 
        W_l ← (λ W_l + s_e Σ W_l g e'ᵀ + s_p Σ W_l c_p c_pᵀ)(λ I + s_e Σ e' e'ᵀ + s_p Σ c_p c_pᵀ)⁻¹
 
-Defaults follow the reference code (CharlesGong12/RECE, ``train_object.py``): 5 epochs,
-λ = 0.1, erase scale 1, preserve scale 0.1, γ = 1e-3, keys and values edited, the guide the
-unconditional prompt (``" "``), starting from UCE at its own defaults (λ = 0.5) towards the
-same guide. Only ``attn2.to_k`` / ``attn2.to_v`` weights change.
+   With ``keep_erased`` the erased prompts join the preserve prompts (their current, erased
+   outputs are kept), so the round cannot undo the UCE edit (not in the reference).
+
+Defaults follow the reference code (CharlesGong12/RECE, ``train_object.py``): 1 epoch,
+λ = 0.1, erase scale 1, preserve scale 0.1, γ = 1e-3, ``replace`` targets, keys and values
+edited, the guide the unconditional prompt (``" "``), starting from UCE (the reference loads
+a separately trained UCE model; here ``uce_*`` are that edit's UCE settings, by default UCE's
+own: λ = 0.5, erase scale 1, ``replace``) towards the same guide. Only ``attn2.to_k`` /
+``attn2.to_v`` weights change.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from emma.api.method import ErasureMethod
-from emma.errors import ConfigError
+from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     attn2_modules,
     check_concepts,
@@ -40,7 +48,7 @@ from emma.methods._common import (
     plain,
     require_sd_pipeline,
 )
-from emma.methods.uce import UCEMethod, uce_closed_form
+from emma.methods.uce import TECHNIQUES, UCEMethod, uce_closed_form
 
 
 def rece_adversarial_embedding(
@@ -86,13 +94,23 @@ class RECEMethod(ErasureMethod):
         lamb: λ of the adversarial rounds (pull towards the current weights).
         erase_scale / preserve_scale: weights of the erase and preserve terms of those rounds.
         regular_scale: γ of the adversarial embedding.
+        technique: targets of those rounds: ``replace`` (the guide's outputs) or ``tensor`` (the
+            guide's outputs less their component along the adversarial embedding's, one unit
+            direction over all tokens, as the reference's ``edit_model_adversarial``).
+        keep_erased: the rounds also keep the current outputs of the prompts UCE erased (at
+            ``preserve_scale``), so that erasing the adversarial embedding cannot undo their
+            erasure; not in the reference (off by default).
         uce_lamb: λ of the initial UCE edit.
         uce_preserve_scale: preserve scale of the initial UCE edit (``None``: UCE's rule).
+        uce_erase_scale / uce_technique / uce_add_prompts: erase scale, technique
+            (``replace`` | ``tensor``) and template expansion of the initial UCE edit (UCE's
+            ``erase_scale``, ``technique``, ``add_prompts``): the reference starts from a UCE
+            checkpoint trained on its own, so this stage takes UCE's settings.
         with_to_k: edit the key projections too.
     """
 
     name = "rece"
-    version = "1"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
@@ -106,10 +124,19 @@ class RECEMethod(ErasureMethod):
         regular_scale: float = 1e-3,
         uce_lamb: float = 0.5,
         uce_preserve_scale: float | None = None,
+        technique: str = "replace",
+        keep_erased: bool = False,
+        uce_erase_scale: float = 1.0,
+        uce_technique: str = "replace",
+        uce_add_prompts: bool = False,
         with_to_k: bool = True,
     ) -> None:
         if int(epochs) < 0:
             raise ConfigError(f"RECE epochs must be >= 0, got {epochs}")
+        if technique not in TECHNIQUES:
+            raise UnknownChoiceError("RECE technique", technique, TECHNIQUES)
+        if uce_technique not in TECHNIQUES:
+            raise UnknownChoiceError("RECE uce_technique", uce_technique, TECHNIQUES)
         if float(regular_scale) <= 0 or float(lamb) < 0 or float(uce_lamb) < 0:
             raise ConfigError(f"RECE needs regular_scale > 0, lamb >= 0 and uce_lamb >= 0; got "
                               f"{regular_scale}, {lamb}, {uce_lamb}")
@@ -119,7 +146,9 @@ class RECEMethod(ErasureMethod):
             preserve_scale=float(preserve_scale), regular_scale=float(regular_scale),
             uce_lamb=float(uce_lamb),
             uce_preserve_scale=None if uce_preserve_scale is None else float(uce_preserve_scale),
-            with_to_k=bool(with_to_k),
+            technique=str(technique), keep_erased=bool(keep_erased),
+            uce_erase_scale=float(uce_erase_scale), uce_technique=str(uce_technique),
+            uce_add_prompts=bool(uce_add_prompts), with_to_k=bool(with_to_k),
         )
 
     def layers(self, pipe: Any) -> list[torch.nn.Linear]:
@@ -151,24 +180,34 @@ class RECEMethod(ErasureMethod):
         original = [layer.weight.detach().clone() for layer in layers]
         uce = UCEMethod(guide_concepts={"default": guide_of},
                         preserve_concepts=retain[1:], lamb=hp["uce_lamb"],
-                        preserve_scale=hp["uce_preserve_scale"], with_to_k=hp["with_to_k"])
+                        preserve_scale=hp["uce_preserve_scale"], with_to_k=hp["with_to_k"],
+                        erase_scale=hp["uce_erase_scale"], technique=hp["uce_technique"],
+                        add_prompts=hp["uce_add_prompts"])
         try:
             uce.erase(pipe, concepts, domain=domain)
-            c_emb = UCEMethod._embed(pipe, concepts)  # (N, T, D)
-            # The reference maps an empty guide to " " (the start/end tokens only).
-            g_emb = UCEMethod._embed(pipe, [guide_of[c] or " " for c in concepts])
+            # The prompts UCE erased (the concepts, plus their template expansions with
+            # uce_add_prompts), each with its guide; the reference maps an empty guide to " ".
+            pairs = uce.edit_pairs(concepts, domain)
+            c_emb = UCEMethod._embed(pipe, [old for old, _ in pairs])  # (N, T, D)
+            g_emb = UCEMethod._embed(pipe, [new or " " for _, new in pairs])
             r_emb = UCEMethod._embed(pipe, retain).reshape(-1, c_emb.shape[-1])
+            # Kept outputs of the rounds: the preserve prompts, and with keep_erased the erased
+            # prompts themselves (all their tokens), at what the current weights make of them.
+            keep = torch.cat([r_emb, c_emb.reshape(-1, c_emb.shape[-1])]) if hp["keep_erased"] else r_emb
             for _ in tqdm(range(hp["epochs"]), desc="RECE", disable=hp["epochs"] < 2, leave=False):
                 current = [layer.weight.detach() for layer in layers]
                 adv = torch.cat([rece_adversarial_embedding(current, original, c_emb[i],
                                                             regular_scale=hp["regular_scale"])
-                                 for i in range(len(concepts))])
+                                 for i in range(len(pairs))])
                 guide = g_emb.reshape(-1, g_emb.shape[-1])
                 new = []
                 for w in current:
                     wd = w.double()
+                    targets = guide.to(wd) @ wd.T
+                    if hp["technique"] == "tensor":
+                        targets = _tensor_targets(adv.to(wd) @ wd.T, targets, len(pairs))
                     new.append(uce_closed_form(
-                        w, adv.to(w.device), guide.to(wd) @ wd.T, r_emb.to(w.device), r_emb.to(wd) @ wd.T,
+                        w, adv.to(w.device), targets, keep.to(w.device), keep.to(wd) @ wd.T,
                         lamb=hp["lamb"], erase_scale=hp["erase_scale"], preserve_scale=hp["preserve_scale"]))
                 if not all(torch.isfinite(w).all() for w in new):
                     raise ConfigError("RECE produced non-finite weights; raise lamb or regular_scale")
@@ -179,3 +218,13 @@ class RECEMethod(ErasureMethod):
                 layer.weight.copy_(w)
             raise
         return pipe
+
+
+def _tensor_targets(adv_out: torch.Tensor, guide_out: torch.Tensor, n_concepts: int) -> torch.Tensor:
+    """Per concept (``T`` rows each): the guide's outputs less their component along the
+    adversarial embedding's outputs, taken as one unit direction over all ``T`` tokens."""
+    out = []
+    for o, g in zip(adv_out.chunk(n_concepts), guide_out.chunk(n_concepts), strict=True):
+        u = o / o.norm()
+        out.append(g - (u * g).sum() * u)
+    return torch.cat(out)
