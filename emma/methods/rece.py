@@ -117,7 +117,7 @@ class RECEMethod(ErasureMethod):
         self,
         guide_concepts: Any = "",
         preserve_concepts: Any = None,
-        epochs: int = 5,
+        epochs: int = 1,
         lamb: float = 0.1,
         erase_scale: float = 1.0,
         preserve_scale: float = 0.1,
