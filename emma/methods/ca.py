@@ -29,11 +29,13 @@ from tqdm.auto import tqdm
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
+    OTHERS,
     autocast,
     check_concepts,
     cpu_generator,
     diffusion_target,
     encode_text,
+    expand_others,
     for_concept,
     for_domain,
     fp32_training,
@@ -87,7 +89,8 @@ class ConceptAblationMethod(ErasureMethod):
     Args:
         loss: ``noise`` (noise-based) or ``model`` (model-based).
         anchor_concepts: per domain, the anchor of each concept (a string or
-            ``{concept: anchor, _default: anchor}``).
+            ``{concept: anchor, _default: anchor}``); an anchor may also be a list of names,
+            ``"<others>"`` standing for the domain's concepts that are not erased.
         prompt_templates: per domain, caption templates with ``{}`` (filled with the anchor for
             the images and the anchor prompt, with the concept for the target prompt).
         parameter_group: ``cross-attn``, ``attn`` or ``full-weight``.
@@ -162,11 +165,27 @@ class ConceptAblationMethod(ErasureMethod):
             raise ConfigError(f"CA prompt_templates need exactly one '{{}}' each; bad: {bad or 'empty list'}")
         pairs = []
         for c in concepts:
-            a = for_concept(anchors, c, what="CA anchor_concepts")
-            if a.strip().lower() == c.lower():
-                raise ConfigError(f"CA anchor of {c!r} is the concept itself; pick a different anchor")
-            pairs += [(t.format(a), t.format(c)) for t in templates]
+            names = self.anchors_of(anchors, c, concepts, domain)
+            pairs += [(t.format(a), t.format(c)) for t in templates for a in names]
         return pairs
+
+    @staticmethod
+    def anchors_of(anchors: Any, concept: str, erased: Sequence[str], domain: str | None) -> list[str]:
+        """The anchor names of ``concept``: one string, or a list where ``"<others>"`` stands
+        for the domain's concepts that are not erased (anchor images then never show the
+        erased concept, which a generic anchor such as "shape" may draw)."""
+        a = for_concept(anchors, concept, what="CA anchor_concepts")
+        listed = [a] if isinstance(a, str) else list(a or [])
+        for name in listed:
+            if not isinstance(name, str) or not name.strip():
+                raise ConfigError(f"CA anchor_concepts of {concept!r} must be names (or '{OTHERS}'); got {a!r}")
+            if name.strip().lower() == concept.lower():
+                raise ConfigError(f"CA anchor of {concept!r} is the concept itself; pick a different anchor")
+        names = expand_others(listed, domain, erased) if OTHERS in listed else listed
+        if not names:
+            raise ConfigError(f"CA anchor_concepts of {concept!r} is empty (after removing the erased "
+                              f"concepts from {a!r}); give at least one anchor")
+        return names
 
     def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
         """Fine-tune ``pipe.unet`` so that target prompts draw what anchor prompts draw."""
