@@ -118,6 +118,35 @@ def test_ca_cross_attn_group_changes_only_keys_and_values(base, pipe, name):
     assert ch and ch <= kv_weights(base)
 
 
+def test_ca_others_anchor_pairs_every_other_shape_with_every_template():
+    m = ConceptAblationMethod(anchor_concepts={"tinyworld": ["<others>"]},
+                              prompt_templates={"tinyworld": ["a {}", "an image of a {}"]})
+    pairs = m.prompt_pairs(["circle"], DOMAIN)
+    others = ["square", "triangle", "star", "heart", "cross", "crescent", "diamond"]
+    assert pairs == [(t.format(a), t.format("circle")) for t in ("a {}", "an image of a {}") for a in others]
+    # two erased shapes: neither is an anchor of the other
+    both = m.prompt_pairs(["circle", "star"], DOMAIN)
+    assert {a for a, _ in both} == {t.format(a) for t in ("a {}", "an image of a {}") for a in others if a != "star"}
+    # a single anchor keeps one pair per template, in template order
+    one = ConceptAblationMethod(anchor_concepts="shape", prompt_templates=["a {}", "a red {}"])
+    assert one.prompt_pairs(["circle"], DOMAIN) == [("a shape", "a circle"), ("a red shape", "a red circle")]
+
+
+@pytest.mark.parametrize("anchors, match", [
+    (["shape", "circle"], "the concept itself"),
+    ([], "give at least one anchor"),
+    ([3], "must be names"),
+])
+def test_ca_bad_anchor_lists_are_named(anchors, match):
+    with pytest.raises(ConfigError, match=match):
+        ConceptAblationMethod(anchor_concepts=anchors).prompt_pairs(["circle"], DOMAIN)
+
+
+def test_ca_others_anchor_needs_a_domain():
+    with pytest.raises(ConfigError, match="no domain"):
+        ConceptAblationMethod(anchor_concepts=["<others>"]).prompt_pairs(["circle"], None)
+
+
 def test_fmn_changes_only_cross_attention(base, pipe):
     small("fmn").erase(pipe, ["circle"], seed=0, domain=DOMAIN)
     ch = changed(base, pipe)
