@@ -106,6 +106,22 @@ def test_uce_preserves_the_other_shapes_of_any_concept(concept):
     assert concept not in preserve and len(preserve) == 7 and set(preserve) < set(ev.SHAPES)
 
 
+def test_ca_anchors_on_the_other_shapes_of_any_concept():
+    """CA's tiny preset anchors on every other shape (never the erased one) and keeps them
+    with prior preservation; CA-model keeps the generic anchor."""
+    from omegaconf import OmegaConf
+
+    from emma.methods._common import for_domain
+    from emma.methods.ca import ConceptAblationMethod
+
+    cfg = ev.compose(["method=ca", "concept=star"]).method
+    table = for_domain(OmegaConf.to_container(cfg.anchor_concepts, resolve=True), "tinyworld", what="")
+    anchors = ConceptAblationMethod.anchors_of(table, "star", ["star"], "tinyworld")
+    assert anchors == [s for s in ev.SHAPES if s != "star"] and cfg.prior_preservation
+    model = ev.compose(["method=ca_model", "concept=star"]).method
+    assert for_domain(model.anchor_concepts, "tinyworld", what="") == "shape"
+
+
 def _metrics(path: Path) -> dict[str, float]:
     data = json.loads((path / "results.json").read_text())
     return {k: v["value"] for k, v in data["metrics"].items() if not k.startswith("time/")}
