@@ -42,7 +42,7 @@ THREADS = int(os.environ.get("EMMA_TEST_THREADS", "1"))  # torch threads of the 
 # base model's RA on the same 30 random-shape images. Measured over seeds 0-2 (1 thread), the
 # lowest values were: FMN EA 0.67 (4 of 6); every other measured method EA 1.00 and
 # RA >= 0.93 x base (CA, anchored on the other shapes: EA 1.00, RA >= 1.00 x base over seeds
-# 0-2 on 1 thread). Each floor sits one image (EA) or about 0.08 (RA) below
+# 0-2 on 1 thread and seed 0 on 2). Each floor sits one image (EA) or about 0.08 (RA) below
 # the lowest measured value.
 EA_FLOOR, RA_FLOOR = 0.65, 0.75
 FLOORS = {"fmn": (0.5, RA_FLOOR)}
