@@ -33,3 +33,35 @@ def run_env(cache: Path | str, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
+
+
+# -- a tiny random SD pipeline for the erasure methods' unit tests ---------------------------
+
+@pytest.fixture(scope="module")
+def base():
+    """A tiny random Stable Diffusion pipeline of the real classes (seed 0, one torch thread),
+    built once per test module; tests that change weights take ``pipe``, a fresh copy."""
+    import torch
+
+    from emma.pipelines import tiny_random_pipeline
+
+    torch.set_num_threads(1)
+    pipe = tiny_random_pipeline(seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def pipe(base):
+    import copy
+
+    return copy.deepcopy(base)
+
+
+def changed(a, b, component: str = "unet") -> set[str]:
+    """Names of the parameters of ``component`` that differ between pipelines ``a`` and ``b``
+    (text encoders' without their ``text_model.`` prefix)."""
+    import torch
+
+    sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
+    return {k.removeprefix("text_model.") for k in sa if not torch.equal(sa[k], sb[k])}

@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
+from conftest import changed
 
 from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
 from emma.methods._common import concept_positions
@@ -22,21 +23,9 @@ from emma.methods.esd import ESDMethod
 from emma.methods.fmn import ForgetMeNotMethod
 from emma.methods.mace import MACEMethod, mapping_list, matching_token_indices
 from emma.methods.uce import UCEMethod, uce_closed_form
-from emma.pipelines import fingerprint, tiny_random_pipeline
+from emma.pipelines import fingerprint
 
 DOMAIN = "tinyworld"
-
-
-@pytest.fixture(scope="module")
-def base():
-    pipe = tiny_random_pipeline(seed=0)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture
-def pipe(base):
-    return copy.deepcopy(base)
 
 
 def small(name: str, **kw):
@@ -57,11 +46,6 @@ def small(name: str, **kw):
                                          **common, **kw),
     }
     return table[name]()
-
-
-def changed(a, b, component: str = "unet") -> set[str]:
-    sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
-    return {k for k in sa if not torch.equal(sa[k], sb[k])}
 
 
 def attn2_names(pipe, kinds=("to_q", "to_k", "to_v", "to_out")) -> set[str]:

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from emma.methods._common import for_concept, for_domain
-from emma.pipelines import fingerprint, tiny_random_pipeline
+from emma.pipelines import fingerprint
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
@@ -46,13 +46,6 @@ def method_cfg(name: str, overrides: list[str] = ()):
 def small_overrides(name: str) -> list[str]:
     family = name.split("_")[0]
     return SMALL.get(family, [])
-
-
-@pytest.fixture(scope="module")
-def base():
-    pipe = tiny_random_pipeline(seed=0)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def test_the_issue_s_methods_all_have_a_file():

@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from conftest import changed
 
 from emma.errors import ConfigError, EmmaError
 from emma.methods.advunlearn import AdvUnlearnMethod, text_encoder_parameter_filter
@@ -25,31 +26,12 @@ from emma.methods.eap import (
     preserved_candidates,
     vocabulary_words,
 )
-from emma.pipelines import TINYWORLD_DIR, fingerprint, tiny_random_pipeline
+from emma.pipelines import TINYWORLD_DIR, fingerprint
 
 DOMAIN = "tinyworld"
 CONF = Path(__file__).resolve().parent.parent / "conf"
 WORDS = ["circle", "disc", "ring", "square", "box", "star", "heart", "cross", "moon", "diamond", "gem",
          "triangle", "red", "blue", "striped", "dotted"]
-
-
-@pytest.fixture(scope="module")
-def base():
-    torch.set_num_threads(1)
-    pipe = tiny_random_pipeline(seed=0)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture
-def pipe(base):
-    return copy.deepcopy(base)
-
-
-def changed(a, b, component: str = "unet") -> set[str]:
-    """Names of the parameters that differ (text encoders without their ``text_model.`` prefix)."""
-    sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
-    return {k.removeprefix("text_model.") for k in sa if not torch.equal(sa[k], sb[k])}
 
 
 def small_eap(**kw):

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
+from conftest import changed
 
 from emma.cache import ImageCache, from_uint8, to_uint8
 from emma.errors import ConfigError, EmmaError, WeightsUnavailableError
@@ -35,24 +36,6 @@ def method_cfg(name: str):
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(overrides=[f"+method={name}"]).method
-
-
-@pytest.fixture(scope="module")
-def base():
-    torch.set_num_threads(1)
-    pipe = tiny_random_pipeline(seed=0)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture
-def pipe(base):
-    return copy.deepcopy(base)
-
-
-def changed(a, b, component: str = "unet") -> set[str]:
-    sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
-    return {k for k in sa if not torch.equal(sa[k], sb[k])}
 
 
 def kv_weights(pipe) -> set[str]:
