@@ -48,7 +48,7 @@ from emma.methods._common import (
     plain,
     require_sd_pipeline,
 )
-from emma.methods.uce import TECHNIQUES, UCEMethod, uce_closed_form
+from emma.methods.uce import TECHNIQUES, UCEMethod, tensor_targets, uce_closed_form
 
 
 def rece_adversarial_embedding(
@@ -205,7 +205,8 @@ class RECEMethod(ErasureMethod):
                     wd = w.double()
                     targets = guide.to(wd) @ wd.T
                     if hp["technique"] == "tensor":
-                        targets = _tensor_targets(adv.to(wd) @ wd.T, targets, len(pairs))
+                        # one span per erased prompt: all its T tokens
+                        targets = tensor_targets(adv.to(wd) @ wd.T, targets, [c_emb.shape[1]] * len(pairs))
                     new.append(uce_closed_form(
                         w, adv.to(w.device), targets, keep.to(w.device), keep.to(wd) @ wd.T,
                         lamb=hp["lamb"], erase_scale=hp["erase_scale"], preserve_scale=hp["preserve_scale"]))
@@ -219,12 +220,3 @@ class RECEMethod(ErasureMethod):
             raise
         return pipe
 
-
-def _tensor_targets(adv_out: torch.Tensor, guide_out: torch.Tensor, n_concepts: int) -> torch.Tensor:
-    """Per concept (``T`` rows each): the guide's outputs less their component along the
-    adversarial embedding's outputs, taken as one unit direction over all ``T`` tokens."""
-    out = []
-    for o, g in zip(adv_out.chunk(n_concepts), guide_out.chunk(n_concepts), strict=True):
-        u = o / o.norm()
-        out.append(g - (u * g).sum() * u)
-    return torch.cat(out)

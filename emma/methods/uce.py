@@ -170,7 +170,7 @@ class UCEMethod(ErasureMethod):
             wd = w.double()
             vals = guide_embs.to(wd) @ wd.T
             if hp["technique"] == "tensor":
-                vals = self._tensor_targets(erase_keys.to(wd) @ wd.T, vals, erase_keys, pairs, pipe)
+                vals = tensor_targets(erase_keys.to(wd) @ wd.T, vals, _span_lengths(pipe, pairs))
             new_weights.append(uce_closed_form(
                 w, erase_keys.to(w.device), vals, retain_embs.to(w.device), retain_embs.to(wd) @ wd.T,
                 lamb=hp["lamb"], erase_scale=hp["erase_scale"], preserve_scale=preserve_scale,
@@ -209,19 +209,17 @@ class UCEMethod(ErasureMethod):
             guides.append(emb[1, last_new : n - (far - last_new)])
         return torch.cat(keys), torch.cat(guides)
 
-    @staticmethod
-    def _tensor_targets(old_vals: torch.Tensor, new_vals: torch.Tensor, erase_keys: torch.Tensor,
-                        pairs: list, pipe: Any) -> torch.Tensor:
-        # Per pair: remove from the guide's outputs their component along the concept's outputs
-        # (one unit direction over all tokens of the span, as in the reference "tensor" mode).
-        out, start = [], 0
-        spans = _span_lengths(pipe, pairs)
-        for n in spans:
-            o, g = old_vals[start : start + n], new_vals[start : start + n]
-            u = o / o.norm()
-            out.append(g - (u * g).sum() * u)
-            start += n
-        return torch.cat(out)
+def tensor_targets(old_vals: torch.Tensor, new_vals: torch.Tensor, spans: Sequence[int]) -> torch.Tensor:
+    """UCE's ``tensor`` targets: per span of rows (one erased prompt's tokens), the guide's
+    outputs ``new_vals`` less their component along the erased prompt's outputs ``old_vals``,
+    taken as one unit direction over all tokens of the span (the reference's "tensor" mode)."""
+    out, start = [], 0
+    for n in spans:
+        o, g = old_vals[start : start + n], new_vals[start : start + n]
+        u = o / o.norm()
+        out.append(g - (u * g).sum() * u)
+        start += n
+    return torch.cat(out)
 
 
 def _span_lengths(pipe: Any, pairs: list[tuple[str, str]]) -> list[int]:
