@@ -55,6 +55,7 @@ from emma.evaluate import judge_requests
 from emma.evidence import write_evidence
 from emma.generate import CachedGenerator, GenerationTarget, Judge
 from emma.metrics import METRIC_VERSIONS, cell_metrics
+from emma.metrics.timing import cpu_model
 from emma.pipelines import fingerprint, load_pipeline
 from emma.results import CellInfo, CellResult
 from emma.validate import check_cell
@@ -110,17 +111,7 @@ def runtime_info() -> dict[str, Any]:
     """What the numbers depend on besides config and weights: torch's CPU threads (float
     reductions split differently), the CPU and the device."""
     return {"torch_threads": torch.get_num_threads(), "machine": platform.machine(),
-            "cpu": _cpu_model(), "python": platform.python_version()}
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+            "cpu": cpu_model(), "python": platform.python_version()}
 
 
 def preset_choices() -> dict[str, str]:

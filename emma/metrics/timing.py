@@ -26,7 +26,8 @@ from emma.metrics.base import Metric, MetricValue, bootstrap_ci
 
 
 @cache
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` knows of it."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -45,7 +46,7 @@ def machine_description(device: Any = "cpu") -> str:
     dev = str(device)
     if dev.startswith("cuda") and torch.cuda.is_available():
         dev = f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
-    return f"{dev}; {_cpu_model()}; torch threads {torch.get_num_threads()}"
+    return f"{dev}; {cpu_model()}; torch threads {torch.get_num_threads()}"
 
 
 class Stopwatch:
