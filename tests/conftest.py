@@ -65,3 +65,32 @@ def changed(a, b, component: str = "unet") -> set[str]:
 
     sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
     return {k.removeprefix("text_model.") for k in sa if not torch.equal(sa[k], sb[k])}
+
+
+class ProgressReader:
+    """Drains a cell subprocess's stderr (``text=True`` pipe) in a thread, so a test can act
+    when the progress bar shows ``n`` of ``total`` images drawn: the cache's image files can lag
+    far behind the generator on a quiet machine, so counting them is no clock."""
+
+    def __init__(self, proc) -> None:
+        import threading
+
+        self.proc, self.chunks = proc, []
+        self.thread = threading.Thread(target=lambda: self.chunks.extend(iter(lambda: proc.stderr.read(256), "")),
+                                       daemon=True)
+        self.thread.start()
+
+    def wait_drawn(self, total: int, at_least: int, timeout: float = 600) -> None:
+        import re
+        import time
+
+        deadline = time.time() + timeout
+        while time.time() < deadline and self.proc.poll() is None:
+            drawn = [int(n) for n in re.findall(rf"(\d+)/{total} ", "".join(self.chunks[-40:]))]
+            if max(drawn, default=0) >= at_least:
+                return
+            time.sleep(0.02)
+
+    def text(self) -> str:
+        self.thread.join(timeout=10)
+        return "".join(self.chunks)

@@ -17,12 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +28,7 @@ import torch
 from emma import suites, weights
 from emma.errors import ConfigError, EmmaError, NonFiniteError
 from emma.run import preflight
-from tests.conftest import ROOT, run_env
+from tests.conftest import ROOT, ProgressReader, run_env
 
 TINY = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", "metrics=rates_only"]
 
@@ -412,19 +409,11 @@ def test_ctrl_c_keeps_the_cache_and_says_how_to_resume(tmp_path):
                             text=True, start_new_session=True)
     # interrupt once the progress bar shows 16 images drawn (the cache's files can lag far
     # behind on a quiet machine: one run drew 718 of 780 before 8 files appeared)
-    chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read(256), "")), daemon=True)
-    reader.start()
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        drawn = [int(n) for n in re.findall(rf"(\d+)/{total} ", "".join(chunks[-40:]))]
-        if max(drawn, default=0) >= 16:
-            break
-        time.sleep(0.02)
+    progress = ProgressReader(proc)
+    progress.wait_drawn(total, 16)
     os.kill(proc.pid, signal.SIGINT)
     proc.wait(timeout=300)
-    reader.join(timeout=10)
-    err = "".join(chunks)
+    err = progress.text()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     (line,) = [x for x in err.splitlines() if "interrupted" in x]
