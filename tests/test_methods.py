@@ -70,6 +70,19 @@ def test_esd_x_changes_only_cross_attention(base, pipe):
     # every projection kind of cross-attention is trained
     assert {k.split(".attn2.")[1].split(".")[0] for k in ch} == {"to_q", "to_k", "to_v", "to_out"}
     assert not changed(base, pipe, "text_encoder") and not changed(base, pipe, "vae")
+    # the frozen weights got no gradient (the pipeline loads with every parameter requiring one)
+    assert all(p.requires_grad for p in base.unet.parameters())
+    assert ch <= {n for n, p in pipe.unet.named_parameters() if p.grad is not None} <= attn2_names(base)
+
+
+def test_train_only_thaws_exactly_the_selected_parameters(base, pipe):
+    from emma.methods._common import train_only
+
+    params = train_only(pipe.unet, lambda n: ".attn2.to_k." in n)
+    assert set(params) == {n for n in kv_weights(base) if ".to_k." in n}
+    assert {n for n, p in pipe.unet.named_parameters() if p.requires_grad} == set(params)
+    with pytest.raises(ConfigError, match="matched no UNet parameter"):
+        train_only(pipe.unet, lambda n: False)
 
 
 def test_esd_u_changes_no_cross_attention(base, pipe):

@@ -214,11 +214,16 @@ def attn2_modules(unet: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def select_parameters(unet: nn.Module, keep: Callable[[str], bool]) -> dict[str, nn.Parameter]:
-    """Named parameters for which ``keep(name)`` holds; error if none."""
-    out = {n: p for n, p in unet.named_parameters() if keep(n)}
+def train_only(module: nn.Module, keep: Callable[[str], bool]) -> dict[str, nn.Parameter]:
+    """Make exactly the parameters for which ``keep(name)`` holds require gradients, and return
+    them by name; error if none. The others are frozen, so that backward passes compute no
+    weight gradients for them (pipelines load with every parameter requiring gradients)."""
+    out = {n: p for n, p in module.named_parameters() if keep(n)}
     if not out:
         raise ConfigError("the parameter selection matched no UNet parameter")
+    module.requires_grad_(False)
+    for p in out.values():
+        p.requires_grad_(True)
     return out
 
 

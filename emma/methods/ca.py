@@ -44,7 +44,7 @@ from emma.methods._common import (
     randint,
     randn,
     require_sd_pipeline,
-    select_parameters,
+    train_only,
     training_scheduler,
 )
 
@@ -214,9 +214,7 @@ class ConceptAblationMethod(ErasureMethod):
         bs = hp["train_batch_size"]
         detached = start_token_detached(unet) if hp["detach_start_token"] else contextlib.nullcontext()
         with fp32_training(unet), detached:
-            params = select_parameters(unet, ca_parameter_filter(hp["parameter_group"]))
-            for p in params.values():
-                p.requires_grad_(True)
+            params = train_only(unet, ca_parameter_filter(hp["parameter_group"]))
             opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=hp["adam_weight_decay"])
             order: list[int] = []
             bar = tqdm(range(hp["max_train_steps"]), desc=f"CA ({hp['loss']})", disable=not self.progress)

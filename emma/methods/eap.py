@@ -54,7 +54,7 @@ from emma.methods._common import (
     randint,
     randn,
     require_sd_pipeline,
-    select_parameters,
+    train_only,
 )
 from emma.methods.esd import ESDMethod, esd_parameter_filter
 
@@ -252,9 +252,7 @@ class EAPMethod(ErasureMethod):
 
         frozen = copy.deepcopy(unet).requires_grad_(False).eval()
         with fp32_training(unet):
-            params = select_parameters(unet, esd_parameter_filter(hp["train_method"]))
-            for p in params.values():
-                p.requires_grad_(True)
+            params = train_only(unet, esd_parameter_filter(hp["train_method"]))
             opt = torch.optim.Adam(params.values(), lr=hp["learning_rate"])
             steps = hp["iterations"] * hp["pgd_num_steps"]
             bar = tqdm(range(steps), desc=f"EAP ({hp['train_method']})", disable=not self.progress)

@@ -38,7 +38,7 @@ from emma.methods._common import (
     randint,
     randn,
     require_sd_pipeline,
-    select_parameters,
+    train_only,
 )
 
 TRAIN_METHODS = ("esd-x", "esd-u", "esd-x-strict", "esd-all")
@@ -138,9 +138,7 @@ class ESDMethod(ErasureMethod):
         frozen = copy.deepcopy(unet).requires_grad_(False).eval()
         keep = esd_parameter_filter(hp["train_method"])
         with fp32_training(unet):
-            params = select_parameters(unet, keep)
-            for p in params.values():
-                p.requires_grad_(True)
+            params = train_only(unet, keep)
             opt = torch.optim.Adam(params.values(), lr=hp["learning_rate"])
             bar = tqdm(range(hp["iterations"]), desc=f"ESD ({hp['train_method']})", disable=not self.progress)
             for _ in bar:

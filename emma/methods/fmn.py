@@ -39,7 +39,7 @@ from emma.methods._common import (
     randint,
     randn,
     require_sd_pipeline,
-    select_parameters,
+    train_only,
     training_scheduler,
 )
 
@@ -135,9 +135,7 @@ class ForgetMeNotMethod(ErasureMethod):
         keep = (lambda name: ".attn2." in name) if hp["only_optimize_ca"] else (lambda name: True)
         bs = hp["train_batch_size"]
         with fp32_training(unet), attn2_processors(unet, lambda name, m: Attn2Processor(name, recorder)):
-            params = select_parameters(unet, keep)
-            for p in params.values():
-                p.requires_grad_(True)
+            params = train_only(unet, keep)
             opt = torch.optim.AdamW(params.values(), lr=hp["learning_rate"],
                                     weight_decay=hp["adam_weight_decay"])
             order: list[int] = []

@@ -52,7 +52,7 @@ from emma.methods._common import (
     randint,
     randn,
     require_sd_pipeline,
-    select_parameters,
+    train_only,
     training_scheduler,
 )
 
@@ -187,10 +187,7 @@ class SalUnMethod(ErasureMethod):
         n_t = sched.config.num_train_timesteps
         bs = hp["train_batch_size"]
         with fp32_training(unet):
-            unet.requires_grad_(False)
-            params = select_parameters(unet, salun_parameter_filter(hp["parameter_group"]))
-            for p in params.values():
-                p.requires_grad_(True)
+            params = train_only(unet, salun_parameter_filter(hp["parameter_group"]))
 
             # 1. saliency: |sum of the forgetting loss's gradients| over the forget set
             grads = {k: torch.zeros_like(p) for k, p in params.items()}
