@@ -167,6 +167,10 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
                    f"| {'–' if q is None else f'{q:.1f}'} | {'–' if it is None else f'{it:.0f}'} "
                    f"| {r['timing'].get('attack_s', 0):.0f} | {r['cell_wall_s']:.0f} "
                    f"| {_metrics_of(r)} | {beats} |")
+    out += ["", "Where an attack scores 0, [soft_prompt_tinyworld.md](soft_prompt_tinyworld.md) "
+            "(`scripts/soft_prompt_probe.py`) says whether the erased model still draws the concept under "
+            "conditioning optimised continuously: a high soft rate next to a hard-token rate of 0 means the "
+            "concept is still in the model, but no prompt over the searched vocabulary reaches it."]
     out += ["", "Original prompt (left) vs adversarial prompt (right) on the erased model, same seed; one row "
             "per method:", "", "![grid](attacks_tinyworld.png)", ""] + grid_lines
     out += ["", "Erasure settings (the method presets when the cells ran):", ""]

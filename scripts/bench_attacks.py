@@ -114,8 +114,10 @@ class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
         return judged_outputs(target, requests, prompts, stats)
 
 
-def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, list[PromptRequest]]:
-    """The cell's attack target for ``method`` on the tiny world, with its own cache."""
+def make_target(method: str, overrides: list[str], cache: Path,
+                concept: str = "circle") -> tuple[Any, list[PromptRequest]]:
+    """The cell's attack target for ``method`` erasing ``concept`` on the tiny world, with its
+    own cache, and the concept's EA requests."""
     import hydra
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -132,7 +134,7 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"method={method}", f"paths.cache_dir={cache}", *overrides])
     domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
-    requests = [r for r in domain.requests("circle", seed=0, images_per_prompt=cfg.images_per_prompt,
+    requests = [r for r in domain.requests(concept, seed=0, images_per_prompt=cfg.images_per_prompt,
                                            types=list(cfg.prompt_types) if cfg.prompt_types else None)
                 if r.group == "ea"]
     pipe = load_pipeline(cfg.model)
@@ -143,7 +145,7 @@ def make_target(method: str, overrides: list[str], cache: Path) -> tuple[Any, li
                                guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,
                                width=cfg.model.width, batch_size=cfg.model.batch_size)
 
-    erased = erase_cached(pipe, hydra.utils.instantiate(cfg.method, _convert_="all"), ["circle"], cache,
+    erased = erase_cached(pipe, hydra.utils.instantiate(cfg.method, _convert_="all"), [concept], cache,
                           base_fingerprint=base_fp, domain="tinyworld", seed=0)
     classifier = hydra.utils.instantiate(OmegaConf_load(ROOT / "conf" / "classifier" / "tinyworld.yaml"),
                                          _convert_="all")

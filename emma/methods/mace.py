@@ -408,6 +408,7 @@ class MACEMethod(ErasureMethod):
         with fp32_training(unet), attn2_processors(
             unet, lambda n, m: Attn2Processor(n, recorder, *loras[n])
         ):
+            unet.requires_grad_(False)  # only the LoRA deltas train: no gradients for the UNet's weights
             bar = tqdm(range(hp["max_train_steps"]), desc=f"MACE LoRA ({concept})", disable=not self.progress)
             for _ in bar:
                 idx = []
