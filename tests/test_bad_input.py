@@ -404,9 +404,12 @@ def test_ctrl_c_keeps_the_cache_and_says_how_to_resume(tmp_path):
     # behind the generator, so 260 images were finished before the interrupt landed
     args = [*TINY, "images_per_prompt=60", "prompt_types=[name,variant,short,random]", "model.batch_size=2"]
     total = 13 * 60
+    # The run gets SIGINT's default disposition, as in a terminal: a test run started in the
+    # background of a non-interactive shell (CI) inherits SIGINT ignored, and Python keeps it so.
     proc = subprocess.Popen([sys.executable, "-m", "emma.run", *args, f"hydra.run.dir={tmp_path / 'a'}"],
                             cwd=ROOT, env=run_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # interrupt once the progress bar shows 16 images drawn (the cache's files can lag far
     # behind on a quiet machine: one run drew 718 of 780 before 8 files appeared)
     progress = ProgressReader(proc)
