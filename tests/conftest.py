@@ -80,7 +80,8 @@ class ProgressReader:
                                        daemon=True)
         self.thread.start()
 
-    def wait_drawn(self, total: int, at_least: int, timeout: float = 600) -> None:
+    def wait_drawn(self, total: int, at_least: int, timeout: float = 600) -> bool:
+        """Whether a bar of ``total`` reached ``at_least`` before the run ended or ``timeout``."""
         import re
         import time
 
@@ -88,8 +89,9 @@ class ProgressReader:
         while time.time() < deadline and self.proc.poll() is None:
             drawn = [int(n) for n in re.findall(rf"(\d+)/{total} ", "".join(self.chunks[-40:]))]
             if max(drawn, default=0) >= at_least:
-                return
+                return True
             time.sleep(0.02)
+        return False
 
     def text(self) -> str:
         self.thread.join(timeout=10)

@@ -413,10 +413,11 @@ def test_ctrl_c_keeps_the_cache_and_says_how_to_resume(tmp_path):
     # interrupt once the progress bar shows 16 images drawn (the cache's files can lag far
     # behind on a quiet machine: one run drew 718 of 780 before 8 files appeared)
     progress = ProgressReader(proc)
-    progress.wait_drawn(total, 16)
+    reached = progress.wait_drawn(total, 16)
     os.kill(proc.pid, signal.SIGINT)
     proc.wait(timeout=300)
     err = progress.text()
+    assert reached, "the run ended (or timed out) before 16 images were drawn: " + err[-2000:]
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     (line,) = [x for x in err.splitlines() if "interrupted" in x]

@@ -126,10 +126,11 @@ def test_sigkill_mid_generation_then_resume(tmp_path):
     # kill once the progress bar shows 24 of 156 images drawn: the cache's files lag the
     # generator, so on a quiet machine counting them let the cell finish first
     progress = ProgressReader(proc)
-    progress.wait_drawn(156, 24, timeout=300)
+    reached = progress.wait_drawn(156, 24, timeout=300)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    progress.text()
+    err = progress.text()
+    assert reached, "the run ended (or timed out) before 24 images were drawn: " + err[-2000:]
     n_before = len(list(images.rglob("*.png"))) if images.exists() else 0
     assert 0 < n_before < 156, "the kill must land mid-generation"
     assert not (tmp_path / "killed" / "results.json").exists()
