@@ -2,7 +2,7 @@
 
 A relaxation of the hard-prompt attackers (UnlearnDiffAtk, P4D, Ring-A-Bell): the conditioning
 is optimised continuously so that the erased UNet's noise prediction matches the base model's
-for the concept's prompt (P4D's objective) on noised base-model images of the concept; then the
+for the concept's name prompt (P4D's objective) on noised base-model images of the concept; then the
 erased model draws 16 images with it and the tiny-world judge counts the concept. A high rate
 shows the concept is still drawable; a low one proves nothing (the optimiser may miss). Three
 relaxations, from loosest to the attackers' own space:
@@ -43,9 +43,9 @@ from attackers.common import candidate_token_ids  # noqa: E402
 
 def probe(method: str, concept: str, steps: int, cache: Path, overrides: list[str]) -> dict[str, Any]:
     """Fraction of 16 erased-model images showing ``concept`` under each conditioning."""
-    target, _ = make_target(method, overrides, cache, concept=concept)
+    target, requests = make_target(method, overrides, cache, concept=concept)
     wb, base = target.white_box(), target.base_model()
-    prompt = f"an image of a {concept}"
+    prompt = next(r.prompt for r in requests if r.kind == "name")  # the domain's name prompt
     seeds = list(range(100, 116))
     gen = torch.Generator().manual_seed(0)
 
