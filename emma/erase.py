@@ -44,7 +44,7 @@ from emma.cache import (
 )
 from emma.errors import ConfigError, NonFiniteError
 from emma.metrics.timing import machine_description
-from emma.pipelines import fingerprint
+from emma.pipelines import fingerprint, freeze
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,21 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 def erase_key(base_fingerprint: str, method: ErasureMethod, concepts: Sequence[str],
-              domain: str | None, seed: int) -> str:
-    return stable_hash({"base": base_fingerprint, "method": method.config(),
-                        "concepts": list(concepts), "domain": domain, "seed": int(seed)})
+              domain: str | None, seed: int, cpu_threads: int | None = None) -> str:
+    """The erased model's cache key. ``cpu_threads``: torch's thread count when the erasure
+    runs on the CPU, where it splits float reductions differently and a trained edit follows
+    (a 2-thread cell must not reuse a 1-thread erasure); ``None`` on a GPU."""
+    parts = {"base": base_fingerprint, "method": method.config(), "concepts": list(concepts),
+             "domain": domain, "seed": int(seed)}
+    if cpu_threads is not None:
+        parts["cpu_threads"] = int(cpu_threads)
+    return stable_hash(parts)
 
 
 def _load_component(pipe: Any, name: str, folder: Path) -> None:
     current = getattr(pipe, name)
     module = type(current).from_pretrained(folder, dtype=current.dtype)
-    setattr(pipe, name, module.to(current.device))
+    setattr(pipe, name, module.to(current.device).requires_grad_(False))  # as load_pipeline leaves it
 
 
 def _first_line(err: BaseException) -> str:
@@ -137,7 +143,9 @@ def erase_cached(
     concepts = list(concepts)
     if not concepts:
         raise ConfigError("no concept to erase: give at least one concept (concept=...)")
-    key = erase_key(base_fingerprint, method, concepts, domain, seed)
+    on_cpu = torch.device(getattr(pipe, "device", "cpu")).type == "cpu"
+    key = erase_key(base_fingerprint, method, concepts, domain, seed,
+                    cpu_threads=torch.get_num_threads() if on_cpu else None)
     if not method.edited_components:
         return EraseResult(pipe, key, base_fingerprint, 0.0, True, {"method": method.config()})
     root = Path(cache_root) / "erased"
@@ -202,6 +210,10 @@ def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root
     t0 = time.perf_counter()
     pipe = method.erase(pipe, concepts, seed=seed, domain=domain)
     wall = time.perf_counter() - t0
+    for comp in method.edited_components:  # training's gradients are not needed past here
+        if isinstance(module := getattr(pipe, comp, None), torch.nn.Module):
+            module.zero_grad(set_to_none=True)
+    freeze(pipe)  # the state a cached entry loads in
     check_finite_weights(pipe, method.edited_components, f"method '{method.name}'")
     fp = fingerprint(pipe)
     manifest = {

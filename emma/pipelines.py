@@ -74,7 +74,17 @@ def load_pipeline(cfg: Any) -> Any:
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 torch.nn.Module.to(module, dtype=dtype)
-    return pipe.to(device)
+    return freeze(pipe.to(device))
+
+
+def freeze(pipe: Any) -> Any:
+    """Every weight of ``pipe`` without gradients: diffusers loads modules trainable, and a
+    backward pass through them (an attack's, a method's) would otherwise keep a gradient for
+    every weight. Methods thaw what they train (``emma.methods._common.train_only``)."""
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.requires_grad_(False)
+    return pipe
 
 
 def make_scheduler(name: str, config: Any) -> Any:

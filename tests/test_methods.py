@@ -110,6 +110,46 @@ def test_mace_changes_exactly_its_lora_fused_layers(base, pipe):
     assert not [n for n, p in pipe.unet.named_parameters() if p.grad is not None]
 
 
+def test_loaded_and_erased_pipelines_hold_no_gradients(base, tmp_path):
+    from emma.erase import erase_cached
+    from emma.pipelines import fingerprint, load_pipeline
+
+    loaded = load_pipeline({"kind": "tiny_random"})
+    assert not [n for m in ("unet", "text_encoder", "vae")
+                for n, p in getattr(loaded, m).named_parameters() if p.requires_grad]
+    fresh, again = copy.deepcopy(base), copy.deepcopy(base)  # modules trainable, as diffusers loads them
+    a = erase_cached(fresh, small("esd-x"), ["circle"], tmp_path, base_fingerprint=fingerprint(base), domain=DOMAIN)
+    b = erase_cached(again, small("esd-x"), ["circle"], tmp_path, base_fingerprint=fingerprint(base), domain=DOMAIN)
+    assert not a.cached and b.cached and a.fingerprint == b.fingerprint
+    for erased in (fresh, again):  # the same state, erased here or loaded from the cache
+        assert not [n for n, p in erased.unet.named_parameters() if p.requires_grad or p.grad is not None]
+
+
+def test_erased_model_cache_is_per_cpu_thread_count(base, tmp_path):
+    """Torch's CPU thread count changes float reductions, and a trained edit follows them: an
+    erasure cached at one thread count is not served to a cell running at another."""
+    from emma.erase import erase_cached
+    from emma.pipelines import fingerprint
+
+    def erase():
+        return erase_cached(copy.deepcopy(base), small("uce"), ["circle"], tmp_path,
+                            base_fingerprint=fingerprint(base), domain=DOMAIN)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = erase()
+        torch.set_num_threads(2)
+        two = erase()
+        torch.set_num_threads(1)
+        one_again = erase()
+    finally:
+        torch.set_num_threads(before)
+    assert not one.cached and not two.cached and one_again.cached
+    assert one.key == one_again.key != two.key
+    assert "torch threads 2" in two.manifest["machine"]
+
+
 @pytest.mark.parametrize("name", ["ca", "ca-model"])
 def test_ca_cross_attn_group_changes_only_keys_and_values(base, pipe, name):
     small(name).erase(pipe, ["circle"], seed=0, domain=DOMAIN)
