@@ -233,3 +233,32 @@ def test_vocabulary_option_restricts_the_searched_tokens(plumbing_target):
         ids = tok(atk.attack(plumbing_target, req)[0].adversarial_prompt)
         assert len(ids) >= n_adv and set(ids[:n_adv]) <= allowed, (atk.name, ids)
         assert atk.config()["vocabulary"] == words
+
+
+def test_hard_prompt_scan_enumerates_each_template_once():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "hard_prompt_scan.py"
+    spec = importlib.util.spec_from_file_location("hard_prompt_scan", path)
+    scan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scan)
+
+    groups = scan.candidate_prompts("an image of a circle", "circle", ["red", "circle", "a"], pairs=True)
+    assert groups["swap"] == ["an image of a red", "an image of a a"]  # the name prompt itself left out
+    assert groups["prefix"] == ["red an image of a circle", "circle an image of a circle",
+                                "a an image of a circle"]
+    assert groups["suffix"] == ["an image of a circle red", "an image of a circle circle",
+                                "an image of a circle a"]
+    # between each pair of the prompt's 5 words (4 gaps x 3 words), less "an image of a a circle"
+    # made twice and "an image of a circle circle", a suffix prompt already
+    assert groups["insert"][:3] == ["an red image of a circle", "an circle image of a circle",
+                                    "an a image of a circle"]
+    assert len(groups["insert"]) == 4 * 3 - 2 and "an image of a a circle" in groups["insert"]
+    assert "an image of a circle circle" not in groups["insert"]
+    # "an image of a red circle" is an insert prompt already
+    assert groups["swap2"][:2] == ["an image of a red red", "an image of a red a"]
+    every = [p for texts in groups.values() for p in texts]
+    assert len(every) == len(set(every))  # no prompt drawn twice across templates
+    with pytest.raises(SystemExit, match="does not contain the concept word"):
+        scan.candidate_prompts("an image of a square", "circle", ["red"], pairs=False)
