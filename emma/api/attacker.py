@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:  # annotations only: the pre-flight checks import this module without torch
     import torch
+
+    from emma.api.metric import MetricValue
 
 from emma.api.types import AttackOutput, GeneratedImages, PromptRequest
 from emma.errors import ConfigError
@@ -167,3 +170,19 @@ class Attacker(abc.ABC):
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version}
+
+    # Optional capabilities, with the behaviour of an attacker that has none of them.
+    def bind_cell(self, output_dir: str | Path, cache_dir: str | Path, info: Mapping[str, Any]) -> None:
+        """Called once before :meth:`attack` with the cell's run directory, cache root and
+        ``{model, method, domain}``: attackers that write files of their own (STACE's trace
+        and report) keep them; the default keeps nothing."""
+        return None
+
+    def extra_metrics(self) -> dict[str, MetricValue]:
+        """Metrics of the attack beyond the cell's rates (STACE's SIR, EII, ...), read after
+        :meth:`attack`; a key here replaces the cell's metric of the same name."""
+        return {}
+
+    def notes(self) -> list[str]:
+        """Lines for results.json's ``notes`` after :meth:`attack` (e.g. failed LLM calls)."""
+        return []

@@ -45,6 +45,12 @@ class Classifier(abc.ABC):
         """sha256 of the weights in use, recorded in results (``None`` for random init)."""
         return None
 
+    def describe(self) -> dict[str, Any]:
+        """What results.json records of this judge (``versions.components.classifiers``):
+        its version and weights; judges with more provenance (label sources, thresholds,
+        checkpoints) extend it."""
+        return {"version": self.version, "weights_sha256": self.weights_hash()}
+
     def label_index(self, concept: str) -> int:
         """Column of ``concept`` in :meth:`predict`'s output; clear error if absent."""
         label = self.aliases.get(concept.lower(), concept)
