@@ -200,7 +200,7 @@ class STACEAttacker(Attacker):
     def _tool_factories(self) -> dict[str, Any]:
         scale = self.tool_scale
         if scale is None:
-            from emma.cell import preset_choices
+            from emma.stages.record import preset_choices
 
             scale = preset_choices().get("scale") or "sd"
         return {name: functools.partial(attacker_factory, name, scale, overrides)

@@ -10,18 +10,14 @@ file so that a misspelt key inside a YAML fails there.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from emma import registry
 from emma.errors import UnknownChoiceError
 from emma.model_config import ModelConfig
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS: tuple[str, ...] = ("model", "method", "domain", "attacker", "classifier", "metrics",
-                           "logger", "paths", "experiment", "llm")
 
 
 @dataclasses.dataclass
@@ -91,16 +87,10 @@ def other_concepts(domain: str, _root_: DictConfig) -> ListConfig:
     serves every concept of a domain. The resolved list shows in ``--cfg job`` and
     results.json, and is hashed into the erased-model cache key with the method's config.
     """
-
-
     if _root_.domain.get("name") == domain:
         dcfg = _root_.domain
     else:
-        path = CONF_DIR / "domain" / f"{domain}.yaml"
-        if not path.exists():
-            valid = sorted(p.stem for p in (CONF_DIR / "domain").glob("*.yaml"))
-            raise UnknownChoiceError("domain (in ${emma.other_concepts:...})", domain, valid)
-        dcfg = OmegaConf.load(path)
+        dcfg = registry.load("domain", domain, what="domain (in ${emma.other_concepts:...})")
     built = build_domain(dcfg)
     concept = _root_.get("concept")
     if concept is None and _root_.domain.get("name") == domain:
@@ -128,11 +118,10 @@ def classifier_config(cfg: DictConfig, name: str | None, domain: Any) -> DictCon
     on the command line (``+classifier.threshold=0.6``) merged in."""
     ccfg = cfg.classifier
     if ccfg.get("_target_") is None:
-        path = CONF_DIR / "classifier" / f"{name}.yaml"
-        if not path.exists():
-            valid = [p.stem for p in (CONF_DIR / "classifier").glob("*.yaml") if p.stem != "auto"]
-            raise UnknownChoiceError(f"classifier (asked for by domain '{domain.name}')", name, valid)
-        base = OmegaConf.load(path)
+        if name == "auto" or name not in registry.choices("classifier"):
+            valid = [c for c in registry.choices("classifier") if c != "auto"]
+            raise UnknownChoiceError(f"classifier (asked for by domain '{domain.name}')", str(name), valid)
+        base = registry.load("classifier", name)
         overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
         ccfg = OmegaConf.merge(base, overrides)
     return ccfg

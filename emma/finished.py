@@ -28,8 +28,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from emma import registry
+
 ROOT = Path(__file__).resolve().parent.parent
-CODE_DIRS = ("emma", "methods", "attackers", "classifiers", "stace", "conf")
+CODE_DIRS = ("emma", "methods", "attackers", "classifiers", "stace")
 LIBRARIES = ("torch", "diffusers", "transformers", "numpy", "scipy", "clean-fid", "scikit-image")
 FILES = ("results.json", "samples.jsonl")
 
@@ -56,18 +58,22 @@ def tree_hash(root: Path) -> str:
     return h.hexdigest()
 
 
-_CODE_HASH: str | None = None
+_CODE_HASH: dict[tuple[Path, ...], str] = {}
 
 
 def code_hash() -> str:
-    global _CODE_HASH
-    if _CODE_HASH is None:
+    """The harness's code and every config folder (the shipped ``conf/`` and the
+    ``$EMMA_INCLUDE`` folders, whose modules are components too)."""
+    confs = tuple(registry.conf_dirs())
+    if confs not in _CODE_HASH:
         h = hashlib.sha256()
         for d in CODE_DIRS:
             if (ROOT / d).exists():
                 h.update(d.encode() + b"\0" + tree_hash(ROOT / d).encode())
-        _CODE_HASH = h.hexdigest()
-    return _CODE_HASH
+        for i, folder in enumerate(confs):
+            h.update((f"conf{i}" if i else "conf").encode() + b"\0" + tree_hash(folder).encode())
+        _CODE_HASH[confs] = h.hexdigest()
+    return _CODE_HASH[confs]
 
 
 def local_fingerprint(path: Path, cache_root: Path) -> str:
@@ -144,11 +150,12 @@ def enabled(cfg: Any) -> bool:
     return bool(cfg["paths"].get("reuse_results", True))
 
 
-def entry(cfg: Any) -> Path | None:
-    """The stored result of a cell whose inputs hash to a finished one, else ``None``."""
+def entry(cfg: Any, key: str | None = None) -> Path | None:
+    """The stored result of a cell whose inputs hash to a finished one, else ``None``
+    (``key``: the cell's key when the caller has computed it)."""
     if not enabled(cfg):
         return None
-    found = cache_dir(cfg) / "results" / cell_key(cfg)
+    found = cache_dir(cfg) / "results" / (key or cell_key(cfg))
     return found if all((found / f).is_file() for f in FILES) else None
 
 
@@ -156,8 +163,11 @@ def lookup(cfg: Any, output_dir: str | os.PathLike) -> Path | None:
     """If the cell's inputs hash to a stored result, copy its files into ``output_dir`` and
     return the path of the copied ``results.json``; else ``None``."""
     found = entry(cfg)
-    if found is None:
-        return None
+    return None if found is None else serve(found, output_dir)
+
+
+def serve(found: Path, output_dir: str | os.PathLike) -> Path:
+    """Copy a stored result's files into ``output_dir``; the path of the copied results.json."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in reversed(FILES):  # results.json last: its presence marks a finished cell

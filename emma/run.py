@@ -15,21 +15,24 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from emma.config import GROUPS, register_configs
+from emma import registry
+from emma.config import register_configs
 from emma.errors import EmmaError, UnknownChoiceError
-from emma.validate import check_output_dir, check_output_dirs, split_argv, validate_overrides
+from emma.validate import (
+    check_output_dir,
+    check_output_dirs,
+    split_argv,
+    validate_overrides,
+    without_hydra,
+)
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 log = logging.getLogger("emma.run")
-
-
-def group_choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def check_overrides(argv: list[str]) -> None:
@@ -40,12 +43,11 @@ def check_overrides(argv: list[str]) -> None:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if key not in GROUPS or key == "experiment" and value in ("null", ""):
+        if key not in registry.GROUPS or key == "experiment" and value in registry.NULL_CHOICES:
             continue
-        valid = group_choices(key)
         for choice in value.split(","):  # multirun: method=esd,uce
-            if choice and choice != "null" and choice not in valid:
-                raise UnknownChoiceError(key, choice, valid)
+            if choice and choice != "null":
+                registry.check_choice(key, choice)
 
 
 register_configs()
@@ -59,7 +61,6 @@ class CellFailedError(Exception):
 def _write_error(out: str | Path, err: BaseException) -> None:
     """``error.json`` next to where results.json would be: the sweep report and the
     leaderboard show it (a crashed cell is listed, never silently missing)."""
-    import json
     import traceback
 
     from emma.cache import atomic_write_text
@@ -70,12 +71,69 @@ def _write_error(out: str | Path, err: BaseException) -> None:
     }, indent=2) + "\n")
 
 
+def _metric_values(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v["value"] for k, v in data["metrics"].items()}
+
+
+def _interrupted(cfg: DictConfig, out: str | Path) -> None:
+    cache = Path(str(cfg.paths.cache_dir)).expanduser()
+    print(f"interrupted: no results.json was written to {out}; every image, score and erased model "
+          f"finished so far is kept in the cache {cache}; run the same command again to resume",
+          file=sys.stderr)
+    sys.exit(130)
+
+
+def _user_error(err: BaseException) -> EmmaError | None:
+    """The harness's own error behind ``err`` (Hydra wraps a constructor's error), if any."""
+    from hydra.errors import InstantiationException
+
+    cause = err.__cause__ if isinstance(err, InstantiationException) else err
+    return cause if isinstance(cause, EmmaError) else None
+
+
+def execute(cfg: DictConfig, out: str | Path, ctx: Any = None, multirun: bool = False) -> dict | None:
+    """Run a cell into ``out`` and print its summary: from ``ctx`` when the command line set it
+    up already, else from ``cfg`` (a sweep's job). Errors: exit 2 for a user error, 130 on
+    Ctrl-C; in a sweep, ``error.json`` and a :class:`CellFailedError` for the launcher."""
+    from emma import finished
+    from emma.stages.setup import setup
+
+    try:
+        ctx = ctx if ctx is not None else setup(cfg)
+        if ctx.finished is not None:  # same inputs as a finished cell: no pipeline, not even torch
+            data = json.loads(finished.serve(ctx.finished, out).read_text())
+            print(finished.describe_json(data))
+            print(f"results: {Path(out) / 'results.json'} (finished cell served from the cache)")
+            return _metric_values(data)
+        from emma.cell import describe, run_stages
+
+        result = run_stages(ctx, out)
+    except KeyboardInterrupt:
+        _interrupted(cfg, out)
+    except Exception as err:
+        if multirun:
+            # one cell of a sweep: record and raise, so the launcher lists it and goes on
+            # (sys.exit would take a submitit job down without its reason)
+            _write_error(out, err)
+            cause = _user_error(err) or err
+            raise CellFailedError(f"{type(cause).__name__}: {cause}") from err
+        if _user_error(err) is not None:
+            # a component refused its configuration: show its own message, not a traceback
+            print(f"error: {_user_error(err)}", file=sys.stderr)
+            sys.exit(2)
+        raise
+    from emma.loggers import log_cell
+
+    log_cell(cfg, result, out)  # never raises: results.json is already written
+    print(describe(result))
+    print(f"results: {Path(out) / 'results.json'}")
+    return {k: v.value for k, v in result.metrics.items()}
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict | None:
-    from hydra.errors import InstantiationException
+    """Hydra's entry: the jobs of a sweep, and commands with Hydra's own flags."""
     from hydra.types import RunMode
-
-    from emma import finished
 
     hc = HydraConfig.get()
     out = hc.runtime.output_dir
@@ -83,50 +141,55 @@ def main(cfg: DictConfig) -> dict | None:
     done = Path(out) / "results.json"
     if multirun and done.exists() and not cfg.get("overwrite", False):
         # re-running a sweep resumes it: a finished cell keeps its results.json untouched
-        data = json.loads(done.read_text())
         print(f"results: {done} (finished cell of this sweep, kept)")
-        return {k: v["value"] for k, v in data["metrics"].items()}
+        return _metric_values(json.loads(done.read_text()))
     try:
         check_output_dir(out, bool(cfg.get("overwrite", False)))
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    from emma.loggers import log_cell
+    return execute(cfg, out, multirun=multirun)
 
+
+def run_one(overrides: list[str]) -> None:
+    """One cell from the command line: composed once, looked up once, validated once (unless
+    finished) and its components built — all before Hydra makes the run directory, where the
+    stages then run (:func:`hydra.core.utils.run_job`, as ``@hydra.main`` runs a job)."""
+    from hydra._internal.callbacks import Callbacks  # no public way to run one composed job
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import run_job
+    from hydra.types import HydraContext, RunMode
+    from omegaconf import open_dict
+
+    from emma.stages.setup import setup
+
+    with registry.hydra_context():
+        full = validate_overrides(overrides, defer=True)
+        cfg = without_hydra(full)
+        try:
+            ctx = setup(cfg)
+        except Exception as err:
+            if _user_error(err) is None:
+                raise
+            raise _user_error(err) from None
+        check_output_dirs(overrides, multirun=False)
+        with open_dict(full):
+            full.hydra.mode = RunMode.RUN
+        job = run_job(hydra_context=HydraContext(config_loader=GlobalHydra.instance().config_loader(),
+                                                 callbacks=Callbacks(full)),
+                      task_function=lambda task_cfg: _run_task(task_cfg, ctx),
+                      config=full, job_dir_key="hydra.run.dir", job_subdir_key=None)
+    job.return_value  # noqa: B018 - re-raises the task's exception
+
+
+def _run_task(cfg: DictConfig, ctx: Any) -> dict | None:
+    out = HydraConfig.get().runtime.output_dir
     try:
-        # the finished-cell key hashes local weight files: a missing one fails here, recorded
-        # like any other failure of the cell
-        hit = finished.lookup(cfg, out)
-        if hit is not None:  # a finished cell with the same inputs: no pipeline, no heavy imports
-            data = json.loads(hit.read_text())
-            print(finished.describe_json(data))
-            print(f"results: {hit} (finished cell served from the cache)")
-            return {k: v["value"] for k, v in data["metrics"].items()}
-        from emma.cell import describe, run_cell
-
-        result = run_cell(cfg, out)
-    except KeyboardInterrupt:
-        cache = Path(str(cfg.paths.cache_dir)).expanduser()
-        print(f"interrupted: no results.json was written to {out}; every image, score and erased model "
-              f"finished so far is kept in the cache {cache}; run the same command again to resume",
-              file=sys.stderr)
-        sys.exit(130)
-    except Exception as err:
-        cause = err.__cause__ if isinstance(err, InstantiationException) else err
-        if multirun:
-            # one cell of a sweep: record and raise, so the launcher lists it and goes on
-            # (sys.exit would take a submitit job down without its reason)
-            _write_error(out, err)
-            raise CellFailedError(f"{type(cause).__name__}: {cause}") from err
-        if isinstance(cause, EmmaError):
-            # a component refused its configuration: show its own message, not a traceback
-            print(f"error: {cause}", file=sys.stderr)
-            sys.exit(2)
-        raise
-    log_cell(cfg, result, out)  # never raises: results.json is already written
-    print(describe(result))
-    print(f"results: {Path(out) / 'results.json'}")
-    return {k: v.value for k, v in result.metrics.items()}
+        check_output_dir(out, bool(cfg.get("overwrite", False)))
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return execute(cfg, out, ctx)
 
 
 def scale_alias(argv: list[str]) -> list[str]:
@@ -136,18 +199,17 @@ def scale_alias(argv: list[str]) -> list[str]:
     for arg in argv:
         if arg.startswith("scale="):
             value = arg.split("=", 1)[1]
-            valid = group_choices("scale")
             for choice in value.split(","):
-                if choice not in valid:
-                    raise UnknownChoiceError("scale", choice, valid)
+                registry.check_choice("scale", choice)
             arg = "scale@_global_=" + value
         out.append(arg)
     return out
 
 
 def preflight(argv: list[str]) -> int:
-    """Validate every cell of the command line before Hydra starts (see :mod:`emma.validate`);
-    the exit code (0: go on, 2: refused), the error printed to stderr."""
+    """Validate every cell of a sweep, or the choices of a command with Hydra's own flags,
+    before Hydra starts (see :mod:`emma.validate`); the exit code (0: go on, 2: refused), the
+    error printed to stderr."""
     try:
         argv = scale_alias(list(argv))
         overrides, multirun, checkable = split_argv(argv)
@@ -162,14 +224,40 @@ def preflight(argv: list[str]) -> int:
     return 0
 
 
-def cli() -> None:
+def list_components(argv: list[str]) -> int:
+    """``--list methods|attackers|domains|classifiers|models|...`` and ``--list concepts
+    domain=D``: what exists, one choice a line."""
+    rest = [a for a in argv if a != "--list"]
+    what = rest[0] if rest and "=" not in rest[0] else ""
+    domain = next((a.split("=", 1)[1] for a in rest if a.startswith("domain=")), None)
     try:
-        code = preflight(sys.argv[1:])
+        if not what:
+            raise UnknownChoiceError("listing", "", [*registry.LISTABLE, "concepts"], "--list")
+        print(registry.listing(what, domain))
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cli() -> None:
+    argv = sys.argv[1:]
+    if "--list" in argv:
+        sys.exit(list_components(argv))
+    try:
+        overrides, multirun, checkable = split_argv(scale_alias(list(argv))) if argv else ([], False, True)
+        if checkable and not multirun:
+            run_one(overrides)
+            return
+        code = preflight(argv)
         if not code:
-            sys.argv[1:] = scale_alias(sys.argv[1:])
+            sys.argv[1:] = scale_alias(argv) + registry.searchpath_override()
     except KeyboardInterrupt:
         print("interrupted before any cell started; nothing was written", file=sys.stderr)
         sys.exit(130)
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     if code:
         sys.exit(code)
     main()

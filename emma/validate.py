@@ -33,10 +33,9 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from emma import registry
 from emma.api.types import EA_TYPES, RA_TYPES
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 #: Upper bounds that keep a typo (``images_per_prompt=1000000000``) from eating the machine.
 MAX_IMAGES_PER_PROMPT = 10_000
@@ -419,6 +418,11 @@ def validate_cell(cfg: DictConfig) -> list[Violation]:
     return unique
 
 
+def without_hydra(cfg: DictConfig) -> DictConfig:
+    """The cell's own config: ``cfg`` without Hydra's node (which resolves only in a job)."""
+    return OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
+
+
 def check_cell(cfg: DictConfig) -> None:
     """Raise :class:`InvalidConfigError` listing every violation of ``cfg``."""
     violations = validate_cell(cfg)
@@ -429,10 +433,6 @@ def check_cell(cfg: DictConfig) -> None:
 # --------------------------------------------------------------------------- overrides
 HYDRA_FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
                           "--experimental-rerun")
-
-
-def _group_choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def _node_keys(cfg: DictConfig, dotted: str) -> list[str]:
@@ -470,8 +470,6 @@ def _parse_each(overrides: Sequence[str], out: list[Violation]) -> list[str]:
 
 def _check_groups(overrides: Sequence[str], out: list[Violation]) -> list[str]:
     """Unknown choices of config groups (``method=esdd``), with "did you mean"."""
-    from emma.config import GROUPS
-
     good = []
     for ov in overrides:
         if "=" not in ov:
@@ -480,49 +478,43 @@ def _check_groups(overrides: Sequence[str], out: list[Violation]) -> list[str]:
         key, value = ov.split("=", 1)
         bare = key.lstrip("+~")
         group = bare.split("@")[0]
-        if group in GROUPS and not (group == "experiment" and value in ("null", "")):
-            valid = _group_choices(group)
+        if group in registry.GROUPS and not (group == "experiment" and value in registry.NULL_CHOICES):
+            valid = registry.choices(group)
             bad = [c for c in value.split(",") if c and c != "null" and c not in valid]
             if bad:
                 for c in bad:
                     err = UnknownChoiceError(group, c, valid)
                     out.append(Violation(group, c, f"valid: {', '.join(valid)}", message=str(err)))
                 continue
-        elif key.startswith("+") and "." not in bare and "/" not in group and (CONF_DIR / group).is_dir():
+        elif key.startswith("+") and "." not in bare and "/" not in group and registry.is_group(group):
             out.append(Violation(key, value, f"'{group}' is not an axis of a cell (conf/{group} configures "
                                              "a component that uses it, not the cell); axes: "
-                                             f"{', '.join(GROUPS)}"))
+                                             f"{', '.join(registry.GROUPS)}"))
             continue
         good.append(ov)
     return good
 
 
-def compose_cell(overrides: Sequence[str], out: list[Violation], config_name: str = "config") -> DictConfig | None:
-    """Compose one cell with Hydra's compose API, turning each composition error into a
+def compose_cell(overrides: Sequence[str], out: list[Violation], config_name: str = "config",
+                 return_hydra_config: bool = False) -> DictConfig | None:
+    """Compose one cell (:func:`emma.registry.compose`), turning each composition error into a
     violation and retrying without the offending override, so that every problem is
-    reported at once. ``None`` when no config could be composed."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    reported at once. ``None`` when no config could be composed. A cell without errors is
+    composed once."""
+    def compose(overrides: Sequence[str]) -> DictConfig:
+        return registry.compose(overrides, config_name=config_name, return_hydra_config=return_hydra_config)
 
-    from emma.config import register_configs
-
-    register_configs()
     overrides = _check_groups(_parse_each(list(overrides), out), out)
-    if GlobalHydra.instance().is_initialized():  # inside a running Hydra app: same conf/
-        return _compose_retrying(overrides, out, compose, config_name)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return _compose_retrying(overrides, out, compose, config_name)
-
-
-def _compose_retrying(overrides: list[str], out: list[Violation], compose: Any,
-                      config_name: str) -> DictConfig | None:
     base: DictConfig | None = None
     for _ in range(len(overrides) + 1):
         try:
-            return compose(config_name=config_name, overrides=list(overrides))
+            return compose(overrides)
+        except EmmaError as err:  # an include folder that does not exist, ...
+            out.append(Violation("", None, "", message=str(err)))
+            return None
         except Exception as err:  # noqa: BLE001 - Hydra raises several exception types
             if base is None:
-                base = _compose_base(overrides, compose, config_name)
+                base = _compose_base(overrides, compose)
             culprit, violation = _explain_compose_error(err, overrides, base)
             out.append(violation)
             if culprit is None:
@@ -531,16 +523,14 @@ def _compose_retrying(overrides: list[str], out: list[Violation], compose: Any,
     return None
 
 
-def _compose_base(overrides: Sequence[str], compose: Any, config_name: str) -> DictConfig | None:
+def _compose_base(overrides: Sequence[str], compose: Any) -> DictConfig | None:
     """The config with only the group choices applied (to list the keys of a node)."""
-    from emma.config import GROUPS
-
-    groups = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split("@")[0] in GROUPS]
+    groups = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split("@")[0] in registry.GROUPS]
     try:
-        return compose(config_name=config_name, overrides=groups)
+        return compose(groups)
     except Exception:  # noqa: BLE001
         try:
-            return compose(config_name=config_name, overrides=[])
+            return compose([])
         except Exception:  # noqa: BLE001
             return None
 
@@ -586,20 +576,11 @@ def is_multirun(argv: Sequence[str]) -> bool:
 def sweeper_params(overrides: Sequence[str], config_name: str = "config") -> list[str]:
     """The sweep an experiment file declares (``hydra.sweeper.params``) as overrides, for the
     keys the command line does not set itself (the command line wins, as in Hydra's sweeper)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from emma.config import register_configs
-
-    register_configs()
     try:
         given = {o.get_key_element() for o in OverridesParser.create().parse_overrides(list(overrides))}
-        if GlobalHydra.instance().is_initialized():
-            cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
-        else:
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        cfg = registry.compose(overrides, config_name=config_name, return_hydra_config=True)
         params = cfg.hydra.sweeper.get("params") or {}
     except Exception:  # noqa: BLE001 - a composition error is reported by the cell checks
         return []
@@ -633,13 +614,21 @@ def _finished(cfg: DictConfig) -> bool:
         return False  # an unresolvable or unreadable input: the checks below name it
 
 
-def validate_overrides(overrides: Sequence[str], multirun: bool = False, config_name: str = "config") -> None:
+def validate_overrides(overrides: Sequence[str], multirun: bool = False, config_name: str = "config", *,
+                       defer: bool = False) -> DictConfig | None:
     """Compose and validate every cell of a command line before any job starts.
 
     Args:
         overrides: Hydra overrides as typed (``concept=circle,hexagon``, ``-m`` removed).
         multirun: expand sweeps (``a,b``, ``range()``) into cells.
         config_name: the primary config.
+        defer: one cell (not a sweep) that composes cleanly is returned unvalidated, with
+            its ``hydra`` node: the caller validates it once, after its finished-cell lookup
+            (:func:`emma.stages.setup.setup`). Composition errors are still reported here,
+            with every violation of the rest.
+
+    Returns:
+        The composed cell when ``defer`` (else ``None``).
 
     Raises:
         InvalidConfigError: listing every violation; for a sweep, per offending cell.
@@ -655,6 +644,14 @@ def validate_overrides(overrides: Sequence[str], multirun: bool = False, config_
             found += validate_cell(cfg)
         problems += [v for v in found if v.key.lstrip("+~").split(".")[0].split("[")[0] not in bad]
         raise InvalidConfigError(problems)
+    if defer and not multirun:
+        found = []
+        cfg = compose_cell(good, found, config_name, return_hydra_config=True)
+        if cfg is not None and not found:
+            return cfg
+        if cfg is not None:
+            found += validate_cell(without_hydra(cfg))
+        raise InvalidConfigError(found)
     cells = cell_overrides(good, multirun, config_name)
     memo: dict[tuple[str, ...], list[Violation]] = {}
     bad_cells: list[tuple[int, list[str], list[Violation]]] = []
@@ -669,7 +666,7 @@ def validate_overrides(overrides: Sequence[str], multirun: bool = False, config_
         if memo[relevant]:
             bad_cells.append((i, cell, memo[relevant]))
     if not bad_cells:
-        return
+        return None
     if not multirun:
         raise InvalidConfigError(bad_cells[0][2])
     lines = []

@@ -33,16 +33,9 @@ METHODS = ("esd", "uce", "fmn")
 
 
 def compose_cell(method: str, attacker: str, overrides: list[str]) -> Any:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from emma import registry
 
-    from emma.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=[f"method={method}", f"attacker={attacker}", *overrides],
-                       return_hydra_config=False)
+    return registry.compose([f"method={method}", f"attacker={attacker}", *overrides])
 
 
 def run(method: str, attacker: str, overrides: list[str], out: Path) -> dict[str, Any]:

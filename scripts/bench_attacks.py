@@ -118,47 +118,16 @@ def make_target(method: str, overrides: list[str], cache: Path,
                 concept: str = "circle") -> tuple[Any, list[PromptRequest]]:
     """The cell's attack target for ``method`` erasing ``concept`` on the tiny world, with its
     own cache, and the concept's EA requests."""
-    import hydra
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from emma import registry
+    from emma.stages import attack_target, setup
+    from emma.stages.erasure import erase
+    from emma.stages.model import load_model
 
-    from emma.attack import CellAttackTarget, LazyBaseModel, domain_prompt_texts
-    from emma.cache import ClassifierScoreCache, ImageCache
-    from emma.config import register_configs
-    from emma.erase import erase_cached
-    from emma.generate import CachedGenerator, Judge
-    from emma.pipelines import fingerprint, load_pipeline
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"method={method}", f"paths.cache_dir={cache}", *overrides])
-    domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
-    requests = [r for r in domain.requests(concept, seed=0, images_per_prompt=cfg.images_per_prompt,
-                                           types=list(cfg.prompt_types) if cfg.prompt_types else None)
-                if r.group == "ea"]
-    pipe = load_pipeline(cfg.model)
-    base_fp = fingerprint(pipe)
-
-    def make_generator(p: Any, fp: str) -> CachedGenerator:
-        return CachedGenerator(p, fp, ImageCache(cache), num_inference_steps=cfg.model.num_inference_steps,
-                               guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,
-                               width=cfg.model.width, batch_size=cfg.model.batch_size)
-
-    erased = erase_cached(pipe, hydra.utils.instantiate(cfg.method, _convert_="all"), [concept], cache,
-                          base_fingerprint=base_fp, domain="tinyworld", seed=0)
-    classifier = hydra.utils.instantiate(OmegaConf_load(ROOT / "conf" / "classifier" / "tinyworld.yaml"),
-                                         _convert_="all")
-    judge = Judge(classifier, ClassifierScoreCache(cache, classifier))
-    base = LazyBaseModel(lambda: load_pipeline(cfg.model), base_fp, make_generator, "tinyworld")
-    return CellAttackTarget(make_generator(erased.pipe, erased.fingerprint), judge, base=base,
-                            domain_prompts=lambda: domain_prompt_texts(domain)), requests
-
-
-def OmegaConf_load(path: Path) -> Any:  # noqa: N802
-    from omegaconf import OmegaConf
-
-    return OmegaConf.load(path)
+    cfg = registry.compose([f"method={method}", f"concept={concept}", f"paths.cache_dir={cache}", *overrides])
+    ctx = setup(cfg, lookup=False)
+    load_model(ctx)
+    erase(ctx)
+    return attack_target(ctx, ctx.generator), ctx.attack_requests
 
 
 def asr(outputs: list[AttackOutput]) -> dict[str, Any]:
@@ -188,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from omegaconf import OmegaConf
+    from emma import registry
 
-    shipped = OmegaConf.load(ROOT / "conf" / "attacker" / "unlearndiffatk.yaml")
+    shipped = registry.load("attacker", "unlearndiffatk")
     tbs = ([int(x) for x in args.timestep_batch.split(",")] if args.timestep_batch
            else [int(shipped.timestep_batch)])
     if args.images_per_prompt is not None:

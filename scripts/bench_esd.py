@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from omegaconf import OmegaConf  # noqa: E402
 
+from emma import registry
 from emma.methods._common import cpu_generator, encode_text, randint, randn  # noqa: E402
 from emma.methods.esd import ESDMethod, esd_parameter_filter  # noqa: E402
 from emma.pipelines import load_pipeline  # noqa: E402
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     args = p.parse_args(argv)
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    cfg = registry.load("model", args.model)
     base = load_pipeline(cfg)
     print(f"{'method':8} {'threads':>7} {'plain ms/it':>12} {'shipped ms/it':>14} {'speed-up':>9} {'max |dW|':>10}")
     for tm in args.train_methods.split(","):

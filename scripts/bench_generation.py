@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from omegaconf import OmegaConf  # noqa: E402
 
+from emma import registry
 from emma.cache import ImageCache  # noqa: E402
 from emma.generate import CachedGenerator  # noqa: E402
 from emma.pipelines import fingerprint, load_pipeline  # noqa: E402
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=128, help="images per measurement")
     p.add_argument("--repeats", type=int, default=3, help="alternating measurements of each")
     args = p.parse_args(argv)
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    cfg = registry.load("model", args.model)
     pipe = load_pipeline(cfg)
     bs = int(cfg.batch_size)
     words = ["circle", "square", "triangle", "star", "heart", "cross", "crescent", "diamond"]

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from omegaconf import OmegaConf  # noqa: E402
 
 from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
+from emma import registry
 from emma.pipelines import load_pipeline  # noqa: E402
 from emma.tinyworld.world import SHAPES, render_batch, sample_specs  # noqa: E402
 
@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / "tinyworld.yaml")
+    cfg = registry.load("model", "tinyworld")
     pipe = load_pipeline(cfg)
     prompts = [f"an image of a {SHAPES[i % len(SHAPES)]}" for i in range(args.n)]
     bs = int(cfg.batch_size)

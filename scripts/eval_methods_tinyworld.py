@@ -33,7 +33,6 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-CONF = ROOT / "conf"
 METHODS = ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn",
            "rece", "salun", "spm")
 SHAPES = ("circle", "square", "triangle", "star", "heart", "cross", "crescent", "diamond")
@@ -42,16 +41,9 @@ RATE_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random]")
 
 def compose(overrides: Sequence[str]) -> Any:
     """The cell config ``python -m emma.run <overrides>`` would run (presets included)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from emma import registry
 
-    from emma.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+    return registry.compose(overrides)
 
 
 @dataclass
@@ -171,15 +163,11 @@ def summarize(rows: list[CellRates], base: dict[str, CellRates]) -> dict[str, di
 def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
     """The values a method's tiny-world preset sets (its own keys and those of the presets it
     extends), as the cell resolved them; per-domain mappings reduced to the tiny world's entry."""
-    from omegaconf import OmegaConf
+    from emma import registry
 
     keys: list[str] = []
-    name: str | None = f"{method}_tiny"
-    while name is not None and (CONF / "preset" / "method" / f"{name}.yaml").exists():
-        preset = OmegaConf.load(CONF / "preset" / "method" / f"{name}.yaml")
+    for preset in registry.preset_chain("method", method, "tiny"):
         keys += [k for k in preset if k != "defaults" and k not in keys]
-        parents = [d for d in preset.get("defaults", []) if d != "_self_"]
-        name = parents[0] if parents else None  # a preset extends at most one other
     out = {}
     for k in keys:
         v = config.get(k)
@@ -275,9 +263,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if not (CONF / "method" / f"{m}.yaml").exists()]
+    from emma import registry
+
+    unknown = [m for m in methods if m not in registry.choices("method")]
     if unknown:
-        valid = ", ".join(sorted(p.stem for p in (CONF / "method").glob("*.yaml")))
+        valid = ", ".join(registry.choices("method"))
         ap.error(f"unknown method(s) {unknown}; valid: {valid}")
     concepts = [c for c in args.concepts.split(",") if c]
     seeds = [int(s) for s in args.seeds.split(",") if s]

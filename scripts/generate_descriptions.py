@@ -16,7 +16,6 @@ validator forbids too).
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -194,15 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-attempts", type=int, default=3)
     args = parser.parse_args(argv)
 
-    import hydra.utils
-    from omegaconf import OmegaConf
+    from emma import registry
 
     try:
         domain = load_domain(args.domain, ["suite.source=generated"])
-        llm_file = importlib.resources.files("conf") / "llm" / f"{args.llm}.yaml"
-        if not llm_file.is_file():
-            raise EmmaError(f"no conf/llm/{args.llm}.yaml")
-        client = hydra.utils.instantiate(OmegaConf.create(llm_file.read_text("utf-8")))
+        client = registry.build("llm", args.llm)
         content = generate_descriptions(domain, args.concept, client, max_attempts=args.max_attempts)
         name = domain.concept(args.concept).name
         if args.write or args.out:

@@ -17,28 +17,18 @@ from emma.api.attacker import Attacker
 from emma.api.types import PromptRequest
 from emma.cache import tensor_hash
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 TOOL_ATTACKERS = ("unlearndiffatk", "p4d_n", "p4d_k", "ring_a_bell")
 
 
 def attacker_factory(name: str, scale: str | None, overrides: Mapping[str, Any] | None = None) -> Attacker:
     """Build ``attacker=<name>`` as the cell would: ``conf/attacker/<name>.yaml``, then the
     preset ``conf/preset/attacker/<name>_<scale>.yaml`` when there is one, then ``overrides``."""
-    import hydra.utils
-    from omegaconf import OmegaConf
+    from emma import registry
+    from emma.errors import UnknownChoiceError
 
-    base = CONF_DIR / "attacker" / f"{name}.yaml"
-    if not base.exists():
-        from emma.errors import UnknownChoiceError
-
+    if name not in registry.choices("attacker"):
         raise UnknownChoiceError("STACE tool attacker", name, TOOL_ATTACKERS, "attacker.tools")
-    cfg = OmegaConf.load(base)
-    preset = CONF_DIR / "preset" / "attacker" / f"{name}_{scale}.yaml"
-    if scale and preset.exists():
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(preset))
-    cfg = OmegaConf.merge(cfg, OmegaConf.create(dict(overrides or {})))
-    cfg.pop("defaults", None)
-    return hydra.utils.instantiate(cfg)
+    return registry.build("attacker", name, scale=scale, overrides=overrides)
 
 
 @dataclasses.dataclass

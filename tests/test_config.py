@@ -16,7 +16,8 @@ from emma.api.attacker import Attacker
 from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
-from emma.config import GROUPS, register_configs
+from emma.config import register_configs
+from emma.registry import GROUPS
 from emma.errors import WeightsUnavailableError
 from emma.pipelines import load_pipeline
 

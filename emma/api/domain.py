@@ -176,5 +176,11 @@ class Domain:
         types need different judges (EMMA's nsfw RA prompts check object labels) override it."""
         return self.classifier
 
+    @property
+    def data_files(self) -> dict[str, str]:
+        """Local data files the domain's prompts come from (name -> path); results.json
+        records their sha256 (``versions.data_files``). None by default."""
+        return {}
+
     def config(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "suite": self.suite.config()}

@@ -11,7 +11,6 @@ chooses who writes the prompts (EMMA's published files or our own generated cont
 
 from __future__ import annotations
 
-import importlib.resources
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from emma import registry
 from emma.api.domain import Concept, Domain, PromptSuite
 from emma.api.types import PromptRequest
 from emma.domains.text import normalize
@@ -37,9 +37,8 @@ KNOWN_CLASSIFIERS: tuple[str, ...] = (
 
 
 def _classifier_configs() -> set[str]:
-    """Names of ``conf/classifier/*.yaml`` (a new classifier needs no edit here)."""
-    root = importlib.resources.files("conf") / "classifier"
-    return {p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml")} if root.is_dir() else set()
+    """The classifier choices of the registry (a new classifier needs no edit here)."""
+    return set(registry.choices("classifier"))
 
 
 def _plain(value: Any) -> Any:
@@ -215,9 +214,8 @@ class EmmaDomain(Domain):
 # -- building from config --------------------------------------------------------------------
 
 def available_domains() -> list[str]:
-    """Names of the domain configs shipped in ``conf/domain/``."""
-    root = importlib.resources.files("conf") / "domain"
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+    """Names of the domain configs (the registry's ``domain`` choices)."""
+    return registry.choices("domain")
 
 
 def load_domain_config(name: str, overrides: Iterable[str] = ()) -> DictConfig:
@@ -232,10 +230,7 @@ def load_domain_config(name: str, overrides: Iterable[str] = ()) -> DictConfig:
         UnknownChoiceError: no such domain config.
         ConfigError: an override names a key the domain config does not have.
     """
-    path = importlib.resources.files("conf") / "domain" / f"{name}.yaml"
-    if not path.is_file():
-        raise UnknownChoiceError("domain", name, available_domains())
-    cfg = OmegaConf.create(path.read_text(encoding="utf-8"))
+    cfg = OmegaConf.create(registry.config_path("domain", name).read_text(encoding="utf-8"))
     OmegaConf.set_struct(cfg, True)
     problems = []
     for override in overrides:  # one at a time, so every bad one is named

@@ -1,0 +1,21 @@
+"""Stage ``erase``: the erased model (cached by its inputs' hash) and the generator that
+draws from it; inference-time methods (SLD) return a sampling guidance instead of weights."""
+
+from __future__ import annotations
+
+import time
+
+from emma.erase import erase_cached
+from emma.stages.context import CellContext
+
+
+def erase(ctx: CellContext) -> None:
+    t = time.perf_counter()
+    ctx.erased = erase_cached(ctx.pipe, ctx.method, [ctx.concept], ctx.cache_root,
+                              base_fingerprint=ctx.base_fingerprint, domain=ctx.domain.name, seed=ctx.seed)
+    ctx.timing["erase_s"] = time.perf_counter() - t
+    ctx.guidance = ctx.method.inference_guidance(ctx.erased.pipe, [ctx.concept], domain=ctx.domain.name)
+    if ctx.guidance is not None:
+        ctx.notes.append(f"inference-time guidance '{ctx.guidance.name}': the method edits no weights and "
+                         "changes how images are sampled (time/unlearning_s is 0)")
+    ctx.generator = ctx.make_generator(ctx.erased.pipe, ctx.erased.fingerprint, ctx.guidance)
