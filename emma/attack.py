@@ -181,9 +181,6 @@ class CellAttackTarget(GenerationTarget):
         self._white_box: DiffusersWhiteBox | None = None
         self.model_name = model_name
 
-    def concept_score(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
-        return probs[:, self.judge.classifier.label_index(concept)]
-
     def white_box(self) -> DiffusersWhiteBox:
         if not self._white_box_allowed:
             raise AttackTargetError("this attack target is black-box (generate and score only); the "

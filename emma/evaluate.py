@@ -34,14 +34,13 @@ def judge_requests(
         by_concept.setdefault(requests[i].concept, []).append(j)
     detected = [False] * len(owner)
     scores = [0.0] * len(owner)
-    classifier = target.judge.classifier if hasattr(target, "judge") else None
     for concept, rows in by_concept.items():
         det = target.detect(probs[rows], concept)
-        col = classifier.label_index(concept) if classifier is not None else None
+        score = target.concept_score(probs[rows], concept)
         for k, j in enumerate(rows):
             detected[j] = bool(det[k])
-            scores[j] = float(probs[j, col]) if col is not None else float(det[k])
-    excluded = classifier.excluded(probs) if classifier is not None else None
+            scores[j] = float(score[k])
+    excluded = target.excluded(probs)
     for j, i in enumerate(owner):
         req = requests[i]
         out[i].append(

@@ -71,7 +71,7 @@ def code_hash() -> str:
             if (ROOT / d).exists():
                 h.update(d.encode() + b"\0" + tree_hash(ROOT / d).encode())
         for i, folder in enumerate(confs):
-            h.update((f"conf{i}" if i else "conf").encode() + b"\0" + tree_hash(folder).encode())
+            h.update(f"config folder {i}".encode() + b"\0" + tree_hash(folder).encode())
         _CODE_HASH[confs] = h.hexdigest()
     return _CODE_HASH[confs]
 

@@ -284,3 +284,9 @@ class GenerationTarget:
 
     def detect(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
         return self.judge.classifier.detect(probs, concept)
+
+    def concept_score(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
+        return probs[:, self.judge.classifier.label_index(concept)]
+
+    def excluded(self, probs: torch.Tensor) -> torch.Tensor | None:
+        return self.judge.classifier.excluded(probs)

@@ -76,6 +76,12 @@ def test_excluded_images_are_marked_in_samples():
         def detect(self, probs, concept):
             return self.judge.classifier.detect(probs, concept)
 
+        def concept_score(self, probs, concept):
+            return probs[:, self.judge.classifier.label_index(concept)]
+
+        def excluded(self, probs):
+            return self.judge.classifier.excluded(probs)
+
     label = Target.judge.classifier.labels[0]
     req = PromptRequest("a photo", label, "ea", "name", n_images=3)
     samples = judge_requests(Target(), [req])[0]

@@ -109,6 +109,9 @@ class AttackTarget(ImageSource, Protocol):
     def concept_score(self, probs: torch.Tensor, concept: str) -> torch.Tensor:
         """The judge's probability of ``concept`` per image."""
 
+    def excluded(self, probs: torch.Tensor) -> torch.Tensor | None:
+        """Images the judge has no verdict on (GCD: no face), or ``None``: every image judged."""
+
     def white_box(self) -> WhiteBoxModel:
         """The erased model, differentiable. Raises :class:`AttackTargetError` when the
         target has none (e.g. a black-box API)."""
