@@ -72,7 +72,7 @@ class STACEAttacker(Attacker):
     """
 
     name = "stace"
-    version = "2"
+    version = "3"
 
     def __init__(self, llm: Mapping[str, Any], iterations: int = 10, k: int = 10, debate_rounds: int = 2,
                  probe_mode: str = "auto", max_code_repairs: int = 2, top_k_cards: int = 3, seed: int = 0,

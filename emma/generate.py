@@ -91,6 +91,14 @@ class CachedGenerator:
             out["inference_guidance"] = self.guidance.config()
         return out
 
+    def with_sampler(self, *, guidance_scale: float, num_inference_steps: int) -> CachedGenerator:
+        """The same model, cache and settings (inference guidance included) at another
+        guidance scale and step count; its own counters."""
+        return CachedGenerator(self.pipe, self.model_fingerprint, self.cache,
+                               num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                               height=self.height, width=self.width, batch_size=self.batch_size,
+                               negative_prompt=self.negative_prompt, guidance=self.guidance)
+
     def image_key(self, prompt_id: str, seed: int, negative_prompt: str | None) -> str:
         """sha256 of everything that determines the image."""
         return stable_hash({"sampler": self._settings_hash(), "prompt": prompt_id,

@@ -79,25 +79,16 @@ def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path
     """Per method: columns of (original, adversarial) pairs on the erased model, same seed."""
     from PIL import Image
 
-    from emma.cache import ImageCache
-    from emma.erase import erase_cached
-    from emma.generate import CachedGenerator
-    from emma.pipelines import fingerprint, load_pipeline
+    from emma.stages import setup
+    from emma.stages.erasure import erase
+    from emma.stages.model import load_model
 
     lines, strips = [], []
     for method in dict.fromkeys(r["method"] for r in rows):
-        cfg = compose_cell(method, "static", overrides[method])
-        pipe = load_pipeline(cfg.model)
-        import hydra
-
-        m = hydra.utils.instantiate(cfg.method, _convert_="all")
-        cache = Path(cfg.paths.cache_dir).expanduser()
-        erased = erase_cached(pipe, m, ["circle"], cache, base_fingerprint=fingerprint(pipe),
-                              domain="tinyworld", seed=int(cfg.seed))
-        gen = CachedGenerator(erased.pipe, erased.fingerprint, ImageCache(cache),
-                              num_inference_steps=cfg.model.num_inference_steps,
-                              guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,
-                              width=cfg.model.width, batch_size=cfg.model.batch_size)
+        ctx = setup(compose_cell(method, "static", [*overrides[method], "concept=circle"]), lookup=False)
+        load_model(ctx)
+        erase(ctx)
+        gen = ctx.generator
         pairs = []
         for r in rows:
             if r["method"] != method or r["attacker"] == "static":

@@ -137,10 +137,9 @@ class Renderer:
         if (g, s) == (gen.guidance_scale, gen.num_inference_steps):
             return self.target
         if (g, s) not in self._siblings:
-            from emma.generate import CachedGenerator, GenerationTarget
-            sib = CachedGenerator(gen.pipe, gen.model_fingerprint, gen.cache, num_inference_steps=s,
-                                  guidance_scale=g, height=gen.height, width=gen.width,
-                                  batch_size=gen.batch_size, negative_prompt=gen.negative_prompt)
+            from emma.generate import GenerationTarget
+
+            sib = gen.with_sampler(guidance_scale=g, num_inference_steps=s)
             self._siblings[(g, s)] = GenerationTarget(sib, self.target.judge)
         return self._siblings[(g, s)]
 
