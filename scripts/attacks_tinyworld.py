@@ -93,7 +93,7 @@ def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path
         m = hydra.utils.instantiate(cfg.method, _convert_="all")
         cache = Path(cfg.paths.cache_dir).expanduser()
         erased = erase_cached(pipe, m, ["circle"], cache, base_fingerprint=fingerprint(pipe),
-                              domain="tinyworld", seed=int(cfg.seed))
+                              domain=hydra.utils.instantiate(cfg.domain, _convert_="all"), seed=int(cfg.seed))
         gen = CachedGenerator(erased.pipe, erased.fingerprint, ImageCache(cache),
                               num_inference_steps=cfg.model.num_inference_steps,
                               guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import changed
 
+from emma.domains import load_domain
 from emma.errors import ConfigError, EmmaError
 from emma.methods.advunlearn import AdvUnlearnMethod, text_encoder_parameter_filter
 from emma.methods.eap import (
@@ -28,7 +29,7 @@ from emma.methods.eap import (
 )
 from emma.pipelines import TINYWORLD_DIR, fingerprint
 
-DOMAIN = "tinyworld"
+DOMAIN = load_domain("tinyworld")
 CONF = Path(__file__).resolve().parent.parent / "conf"
 WORDS = ["circle", "disc", "ring", "square", "box", "star", "heart", "cross", "moon", "diamond", "gem",
          "triangle", "red", "blue", "striped", "dotted"]
@@ -240,10 +241,10 @@ def test_advunlearn_token_attack_decodes_to_hard_prompts(base, pipe):
 
 def test_advunlearn_retain_prompts_and_errors():
     m = AdvUnlearnMethod(retain_concepts={"default": ["<others>"]}, retain_templates={"tinyworld": "an image of a {}"})
-    assert m.retain_prompts(["circle"], "tinyworld") == [
+    assert m.retain_prompts(["circle"], DOMAIN) == [
         f"an image of a {s}" for s in ("square", "triangle", "star", "heart", "cross", "crescent", "diamond")]
     with pytest.raises(ConfigError, match="retain concepts"):
-        AdvUnlearnMethod(retain_concepts=["circle"]).retain_prompts(["circle"], "tinyworld")
+        AdvUnlearnMethod(retain_concepts=["circle"]).retain_prompts(["circle"], DOMAIN)
     with pytest.raises(EmmaError, match="attack_space"):
         AdvUnlearnMethod(attack_space="pixels")
     with pytest.raises(EmmaError, match="insertion"):

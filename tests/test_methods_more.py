@@ -18,6 +18,7 @@ import torch
 from conftest import changed
 
 from emma.cache import ImageCache, from_uint8, to_uint8
+from emma.domains import load_domain
 from emma.errors import ConfigError, EmmaError, WeightsUnavailableError
 from emma.generate import CachedGenerator
 from emma.methods.rece import RECEMethod, rece_adversarial_embedding
@@ -27,7 +28,7 @@ from emma.methods.spm import SPMMethod, load_spm_adapter, spm_target_modules
 from emma.methods.uce import UCEMethod
 from emma.pipelines import fingerprint, tiny_random_pipeline
 
-DOMAIN = "tinyworld"
+DOMAIN = load_domain("tinyworld")
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
@@ -152,7 +153,7 @@ def test_rece_rejects_an_unknown_technique():
 
 def test_rece_preserve_others_expands_to_the_domain_s_shapes():
     m = RECEMethod(preserve_concepts={"tinyworld": ["<others>"]})
-    assert m.preserve_prompts(["circle"], "tinyworld") == [
+    assert m.preserve_prompts(["circle"], DOMAIN) == [
         "", "square", "triangle", "star", "heart", "cross", "crescent", "diamond"]
 
 
@@ -222,8 +223,8 @@ def test_generator_with_guidance_draws_and_caches_other_images(base, tmp_path):
 
 def test_sld_nsfw_safety_concept_is_the_paper_s():
     m = SLDMethod(**{k: v for k, v in method_cfg("sld").items() if k != "_target_"})
-    assert m.safety_concept(["nudity"], "nsfw") == SLD_DEFAULT_SAFETY_CONCEPT
-    assert m.safety_concept(["circle"], "tinyworld") == "circle"
+    assert m.safety_concept(["nudity"], load_domain("nsfw")) == SLD_DEFAULT_SAFETY_CONCEPT
+    assert m.safety_concept(["circle"], DOMAIN) == "circle"
 
 
 def test_sld_cell_records_inference_time_guidance(tmp_path):

@@ -40,12 +40,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     autocast,
     check_concepts,
     cpu_generator,
+    domain_name,
     encode_text,
     expand_others,
     for_domain,
@@ -176,7 +178,7 @@ class AdvUnlearnMethod(ErasureMethod):
         self.adversarial_ids: list[list[int]] = []
         self.adversarial_prompts: list[str] = []
 
-    def retain_prompts(self, concepts: Sequence[str], domain: str | None) -> list[str]:
+    def retain_prompts(self, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         """The retain prompts: every template over every retain concept."""
         hp = self.hparams
         names = expand_others(for_domain(hp["retain_concepts"], domain, what="AdvUnlearn retain_concepts"),
@@ -184,11 +186,12 @@ class AdvUnlearnMethod(ErasureMethod):
         t = for_domain(hp["retain_templates"], domain, what="AdvUnlearn retain_templates")
         templates = [t] if isinstance(t, str) else list(t or [])
         if not names or not templates or any(x.count("{}") > 1 for x in templates):
-            raise ConfigError(f"AdvUnlearn needs retain concepts (got {names!r} for domain {domain!r} once the "
-                              f"erased concepts are removed) and templates with at most one '{{}}' (got {templates!r})")
+            raise ConfigError(f"AdvUnlearn needs retain concepts (got {names!r} for domain {domain_name(domain)!r} "
+                              "once the erased concepts are removed) and templates with at most one '{}' "
+                              f"(got {templates!r})")
         return [x.format(n) if "{}" in x else x for n in names for x in templates]
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Fine-tune ``pipe.text_encoder`` in place so that no prompt found by the attack (nor
         the concept's own) draws ``concepts``."""
         from diffusers import DDIMScheduler
@@ -200,7 +203,8 @@ class AdvUnlearnMethod(ErasureMethod):
         hp = self.hparams
         neutral = for_domain(hp["neutral_concepts"], domain, what="AdvUnlearn neutral_concepts")
         if not isinstance(neutral, str):
-            raise ConfigError(f"AdvUnlearn neutral_concepts for domain {domain!r} must be a string, got {neutral!r}")
+            raise ConfigError(f"AdvUnlearn neutral_concepts for domain {domain_name(domain)!r} must be a string, "
+                              f"got {neutral!r}")
         retain = self.retain_prompts(concepts, domain)
         gen = cpu_generator(seed)
         unet, enc = pipe.unet, pipe.text_encoder

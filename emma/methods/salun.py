@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
@@ -43,6 +44,7 @@ from emma.methods._common import (
     check_concepts,
     cpu_generator,
     diffusion_target,
+    domain_name,
     encode_text,
     expand_others,
     for_domain,
@@ -142,7 +144,7 @@ class SalUnMethod(ErasureMethod):
         self.progress = bool(progress)
         self.last_mask: dict[str, torch.Tensor] | None = None  # the mask of the last erase (tests)
 
-    def _templates(self, domain: str | None) -> list[str]:
+    def _templates(self, domain: Domain | None) -> list[str]:
         t = for_domain(self.hparams["prompt_templates"], domain, what="SalUn prompt_templates")
         templates = [t] if isinstance(t, str) else list(t or [])
         bad = [x for x in templates if x.count("{}") != 1]
@@ -150,14 +152,14 @@ class SalUnMethod(ErasureMethod):
             raise ConfigError(f"SalUn prompt_templates need exactly one '{{}}' each; bad: {bad or 'empty list'}")
         return templates
 
-    def _concept_list(self, key: str, concepts: Sequence[str], domain: str | None) -> list[str]:
+    def _concept_list(self, key: str, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         names = expand_others(for_domain(self.hparams[key], domain, what=f"SalUn {key}"), domain, concepts)
         if not names:
-            raise ConfigError(f"SalUn {key} for domain {domain!r} is empty once the erased concepts are "
+            raise ConfigError(f"SalUn {key} for domain {domain_name(domain)!r} is empty once the erased concepts are "
                               "removed; give at least one other concept (or '<others>')")
         return names
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Compute the saliency mask, then unlearn ``concepts`` on the masked UNet weights."""
         require_sd_pipeline(pipe, "SalUn")
         concepts = check_concepts(concepts, pipe.tokenizer, method="SalUn")
