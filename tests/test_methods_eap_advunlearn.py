@@ -179,6 +179,18 @@ def test_advunlearn_changes_only_the_text_encoder_s_layers(base, pipe):
     assert fingerprint(pipe, ("unet", "vae")) == fingerprint(base, ("unet", "vae"))
 
 
+def test_advunlearn_erased_weights_are_pinned(base, pipe):
+    """The text encoder AdvUnlearn erases on the tiny random pipeline (seed 0, one thread),
+    summarised as in test_methods_more.delta_summary; recorded from the implementation before
+    its steps were split into functions."""
+    from test_methods_more import delta_summary
+
+    small_advunlearn().erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    got = delta_summary(pipe, base, "text_encoder")
+    ref = [498.73432824341046, -1.1032819872621928, 0.46262679639257076, 3.3099793027487845]
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=1e-4, atol=1e-3 * ref[3])
+
+
 def test_advunlearn_component_and_layers_restrict_the_edit(base):
     a = copy.deepcopy(base)
     small_advunlearn(component="attn").erase(a, ["circle"], seed=0, domain=DOMAIN)

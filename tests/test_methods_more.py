@@ -284,6 +284,25 @@ def test_salun_xattn_group_stays_in_cross_attention(base, pipe):
     assert ch and all(".attn2." in k for k in ch)
 
 
+def delta_summary(a, b, component: str) -> torch.Tensor:
+    """Σ|Δ|, ΣΔ, Δ·r (a fixed random direction) and |Δ| of ``component``'s weights, ``a`` - ``b``:
+    numbers that any change in what a method draws, or in what order, moves far, and that
+    another machine's float rounding moves by well under 1e-3 of |Δ|."""
+    sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
+    d = torch.cat([(sa[k].double() - sb[k].double()).flatten() for k in sorted(sa)])
+    r = torch.randn(d.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return torch.stack([d.abs().sum(), d.sum(), (d * r).sum(), d.norm()])
+
+
+def test_salun_erased_weights_are_pinned(base, pipe):
+    """The weights SalUn erases on the tiny random pipeline (seed 0, one thread), summarised;
+    recorded from the implementation before its steps were split into functions."""
+    small_salun().erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    got = delta_summary(pipe, base, "unet")
+    ref = [13.800838559698605, -0.13830663228145568, 0.008510647503868193, 0.1505671328514463]
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=1e-4, atol=1e-3 * ref[3])
+
+
 def test_salun_needs_another_concept(pipe):
     with pytest.raises(ConfigError, match="pseudo_concepts"):
         small_salun(pseudo_concepts=["circle"]).erase(pipe, ["circle"], domain=DOMAIN)
