@@ -32,6 +32,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.cache import (
     TMP_SUFFIX,
@@ -67,9 +68,10 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 def erase_key(base_fingerprint: str, method: ErasureMethod, concepts: Sequence[str],
               domain: str | None, seed: int, cpu_threads: int | None = None) -> str:
-    """The erased model's cache key. ``cpu_threads``: torch's thread count when the erasure
-    runs on the CPU, where it splits float reductions differently and a trained edit follows
-    (a 2-thread cell must not reuse a 1-thread erasure); ``None`` on a GPU."""
+    """The erased model's cache key. ``domain``: the domain's name. ``cpu_threads``: torch's
+    thread count when the erasure runs on the CPU, where it splits float reductions
+    differently and a trained edit follows (a 2-thread cell must not reuse a 1-thread
+    erasure); ``None`` on a GPU."""
     parts = {"base": base_fingerprint, "method": method.config(), "concepts": list(concepts),
              "domain": domain, "seed": int(seed)}
     if cpu_threads is not None:
@@ -132,19 +134,23 @@ def erase_cached(
     cache_root: str | os.PathLike,
     *,
     base_fingerprint: str,
-    domain: str | None = None,
+    domain: Domain | None = None,
     seed: int = 0,
 ) -> EraseResult:
     """Erase ``concepts`` from ``pipe`` with ``method``, or load the stored result.
 
     ``pipe`` is edited in place either way. The identity method (no edited components)
-    stores nothing.
+    stores nothing. ``domain`` (the Domain the concepts belong to) goes to the method; the
+    key and the manifest record its name.
     """
     concepts = list(concepts)
     if not concepts:
         raise ConfigError("no concept to erase: give at least one concept (concept=...)")
+    if domain is not None and not isinstance(domain, Domain):
+        raise TypeError(f"erase_cached: domain must be the Domain being erased (emma.api.domain.Domain) or None, "
+                        f"got {domain!r} ({type(domain).__name__})")
     on_cpu = torch.device(getattr(pipe, "device", "cpu")).type == "cpu"
-    key = erase_key(base_fingerprint, method, concepts, domain, seed,
+    key = erase_key(base_fingerprint, method, concepts, None if domain is None else domain.name, seed,
                     cpu_threads=torch.get_num_threads() if on_cpu else None)
     if not method.edited_components:
         return EraseResult(pipe, key, base_fingerprint, 0.0, True, {"method": method.config()})
@@ -202,7 +208,7 @@ def erase_lock(root: Path, key: str) -> Iterator[None]:
 
 
 def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root: Path, key: str,
-                     base_fingerprint: str, domain: str | None, seed: int) -> EraseResult:
+                     base_fingerprint: str, domain: Domain | None, seed: int) -> EraseResult:
     entry = root / key
     device = pipe.device
     if device.type == "cuda":
@@ -224,7 +230,7 @@ def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root
         "base_fingerprint": base_fingerprint,
         "fingerprint": fp,
         "concepts": concepts,
-        "domain": domain,
+        "domain": None if domain is None else domain.name,
         "seed": seed,
         "components": list(method.edited_components),
         "wall_time_s": wall,

@@ -109,7 +109,8 @@ def sample_row(method: str, concept: str, cache_dir: str | Path, seed: int = 0) 
     cfg = compose([f"method={method}", f"concept={concept}", f"seed={seed}"])
     pipe = load_pipeline(cfg.model)
     erase_cached(pipe, hydra.utils.instantiate(cfg.method, _convert_="all"), [concept], cache_dir,
-                 base_fingerprint=fingerprint(pipe), domain=cfg.domain.name, seed=seed)
+                 base_fingerprint=fingerprint(pipe), domain=hydra.utils.instantiate(cfg.domain, _convert_="all"),
+                 seed=seed)
     prompts = grid_prompts(concept)
     gens = [torch.Generator("cpu").manual_seed(i) for i in range(len(prompts))]
     with torch.no_grad():

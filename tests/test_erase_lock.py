@@ -8,7 +8,9 @@ from typing import Any, Sequence
 
 import torch
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.domains import load_domain
 from emma.erase import erase_cached
 from emma.pipelines import fingerprint, tiny_random_pipeline
 
@@ -20,7 +22,7 @@ class SlowShift(ErasureMethod):
     version = "1"
     calls: list[float] = []
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         SlowShift.calls.append(time.perf_counter())
         time.sleep(1.0)
         with torch.no_grad():
@@ -36,7 +38,7 @@ def test_concurrent_jobs_erase_once_and_load_the_same_weights(tmp_path):
 
     def job(i):
         results[i] = erase_cached(pipes[i], SlowShift(shift=0.25), ["circle"], tmp_path,
-                                  base_fingerprint=base, domain="tinyworld")
+                                  base_fingerprint=base, domain=load_domain("tinyworld"))
 
     threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
     for t in threads:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import changed
 
+from emma.domains import load_domain
 from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
 from emma.methods._common import concept_positions
 from emma.methods.ca import ConceptAblationMethod, start_token_detached
@@ -25,7 +26,7 @@ from emma.methods.mace import MACEMethod, mapping_list, matching_token_indices
 from emma.methods.uce import UCEMethod, uce_closed_form
 from emma.pipelines import fingerprint
 
-DOMAIN = "tinyworld"
+DOMAIN = load_domain("tinyworld")
 
 
 def small(name: str, **kw):
@@ -184,6 +185,50 @@ def test_ca_bad_anchor_lists_are_named(anchors, match):
 def test_ca_others_anchor_needs_a_domain():
     with pytest.raises(ConfigError, match="no domain"):
         ConceptAblationMethod(anchor_concepts=["<others>"]).prompt_pairs(["circle"], None)
+    with pytest.raises(ConfigError, match="needs the Domain object"):  # a name says nothing of its concepts
+        ConceptAblationMethod(anchor_concepts=["<others>"]).prompt_pairs(["circle"], "tinyworld")
+
+
+def test_others_expand_from_the_domain_object_given():
+    """"<others>" are the concepts of the Domain the method is given, not those of the config
+    file of the same name: a domain built with other concepts anchors on those."""
+    from emma.api.domain import Domain
+
+    custom = Domain(name="tinyworld", version="1", concepts=["circle", "hexagon", {"name": "oval"}],
+                    suite=DOMAIN.suite)
+    m = ConceptAblationMethod(anchor_concepts=["<others>"], prompt_templates=["a {}"])
+    assert m.prompt_pairs(["circle"], custom) == [("a hexagon", "a circle"), ("a oval", "a circle")]
+    assert m.prompt_pairs(["circle"], DOMAIN)[0] == ("a square", "a circle")
+
+
+def test_methods_read_no_config_file():
+    """Methods get everything they know of a domain from the Domain object."""
+    from pathlib import Path
+
+    import emma.methods
+
+    for path in sorted(Path(emma.methods.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        assert not [w for w in ("emma.config", "CONF_DIR", "OmegaConf.load", "conf/domain") if w in text], path.name
+
+
+def test_erase_cached_keys_the_domain_by_its_name(base, tmp_path):
+    """The Domain object goes to the method; the key hashes its name, as erase_key always has
+    (the pinned key is the one erase_cached gave before methods received Domain objects)."""
+    from emma.api.method import NoErasure
+    from emma.erase import erase_cached, erase_key
+
+    assert erase_key("abc", NoErasure(), ["circle"], "tinyworld", 0, cpu_threads=1) == \
+        "45c7793092d217dcdef87995965d9c1565bec218b7c5a4c8d12522f5cbe18d2e"
+    got = erase_cached(copy.deepcopy(base), NoErasure(), ["circle"], tmp_path, base_fingerprint="abc", domain=DOMAIN)
+    assert got.key == erase_key("abc", NoErasure(), ["circle"], "tinyworld", 0, cpu_threads=torch.get_num_threads())
+    uce = erase_cached(copy.deepcopy(base), small("uce"), ["circle"], tmp_path, base_fingerprint="abc",
+                       domain=DOMAIN)
+    assert uce.manifest["domain"] == "tinyworld" and uce.key == erase_key(
+        "abc", small("uce"), ["circle"], "tinyworld", 0, cpu_threads=torch.get_num_threads())
+    with pytest.raises(TypeError, match="must be the Domain"):
+        erase_cached(copy.deepcopy(base), small("uce"), ["circle"], tmp_path, base_fingerprint="abc",
+                     domain="tinyworld")
 
 
 def test_fmn_changes_only_cross_attention(base, pipe):
@@ -361,7 +406,7 @@ def test_bad_concepts_raise_clear_errors_and_leave_the_pipe_untouched(base, pipe
 
 def test_unknown_domain_names_the_valid_ones(pipe):
     with pytest.raises(UnknownChoiceError, match="tinyworld"):
-        UCEMethod(guide_concepts={"tinyworld": "shape"}).erase(pipe, ["circle"], domain="style")
+        UCEMethod(guide_concepts={"tinyworld": "shape"}).erase(pipe, ["circle"], domain=load_domain("style"))
 
 
 def test_unknown_choices_fail_at_construction():
@@ -495,11 +540,11 @@ def test_a_failure_mid_training_restores_the_weights(base, pipe, monkeypatch, na
 
 def test_uce_prompt_expansion_and_tensor_technique(base, pipe):
     m = UCEMethod(guide_concepts={"style": "art"}, add_prompts=True)
-    pairs = m.edit_pairs(["van gogh"], "style")
+    pairs = m.edit_pairs(["van gogh"], load_domain("style"))
     assert pairs[0] == ("van gogh", "art") and ("painting by van gogh", "painting by art") in pairs
     assert len(pairs) == 6
     assert UCEMethod(guide_concepts={"object": {"cat": "animal", "_default": "object"}}).edit_pairs(
-        ["cat", "bus"], "object") == [("cat", "animal"), ("bus", "object")]
+        ["cat", "bus"], load_domain("object")) == [("cat", "animal"), ("bus", "object")]
     replace = copy.deepcopy(base)
     UCEMethod(guide_concepts="shape").erase(replace, ["circle"], domain=DOMAIN)
     UCEMethod(guide_concepts="shape", technique="tensor").erase(pipe, ["circle"], domain=DOMAIN)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from emma.domains import load_domain
 from emma.errors import ConfigError, WeightsUnavailableError
 from emma.methods.checkpoint import (
     LDM_TEXT_PREFIX,
@@ -43,7 +44,7 @@ def base():
 @pytest.fixture(scope="module")
 def erased(base):
     pipe = copy.deepcopy(base)
-    UCEMethod(guide_concepts="shape").erase(pipe, ["circle"], domain="tinyworld")
+    UCEMethod(guide_concepts="shape").erase(pipe, ["circle"], domain=load_domain("tinyworld"))
     return pipe
 
 

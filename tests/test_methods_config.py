@@ -13,6 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from emma.domains import load_domain
 from emma.methods._common import for_concept, for_domain
 from emma.pipelines import fingerprint
 
@@ -61,7 +62,7 @@ def test_every_method_file_erases_on_the_tiny_random_pipeline(base, name):
     if hasattr(method, "progress"):
         method.progress = False
     pipe = copy.deepcopy(base)
-    out = method.erase(pipe, ["circle"], seed=0, domain="tinyworld")
+    out = method.erase(pipe, ["circle"], seed=0, domain=load_domain("tinyworld"))
     assert out is pipe
     if name == "none" or name.startswith("sld"):  # the base model / inference-time guidance
         assert fingerprint(pipe) == fingerprint(base) and method.edited_components == ()
@@ -77,7 +78,7 @@ def test_every_method_file_erases_on_the_tiny_random_pipeline(base, name):
 
 def test_checkpoint_file_loads_a_saved_unet(base, tmp_path):
     erased = copy.deepcopy(base)
-    instantiate(method_cfg("uce")).erase(erased, ["circle"], domain="tinyworld")
+    instantiate(method_cfg("uce")).erase(erased, ["circle"], domain=load_domain("tinyworld"))
     erased.unet.save_pretrained(tmp_path / "unet")
     method = instantiate(method_cfg("checkpoint", [f"method.path={tmp_path / 'unet'}"]))
     pipe = copy.deepcopy(base)

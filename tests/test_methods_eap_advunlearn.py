@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import changed
 
+from emma.domains import load_domain
 from emma.errors import ConfigError, EmmaError
 from emma.methods.advunlearn import AdvUnlearnMethod, text_encoder_parameter_filter
 from emma.methods.eap import (
@@ -28,7 +29,7 @@ from emma.methods.eap import (
 )
 from emma.pipelines import TINYWORLD_DIR, fingerprint
 
-DOMAIN = "tinyworld"
+DOMAIN = load_domain("tinyworld")
 CONF = Path(__file__).resolve().parent.parent / "conf"
 WORDS = ["circle", "disc", "ring", "square", "box", "star", "heart", "cross", "moon", "diamond", "gem",
          "triangle", "red", "blue", "striped", "dotted"]
@@ -178,6 +179,18 @@ def test_advunlearn_changes_only_the_text_encoder_s_layers(base, pipe):
     assert fingerprint(pipe, ("unet", "vae")) == fingerprint(base, ("unet", "vae"))
 
 
+def test_advunlearn_erased_weights_are_pinned(base, pipe):
+    """The text encoder AdvUnlearn erases on the tiny random pipeline (seed 0, one thread),
+    summarised as in test_methods_more.delta_summary; recorded from the implementation before
+    its steps were split into functions."""
+    from test_methods_more import delta_summary
+
+    small_advunlearn().erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    got = delta_summary(pipe, base, "text_encoder")
+    ref = [498.73432824341046, -1.1032819872621928, 0.46262679639257076, 3.3099793027487845]
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=1e-4, atol=1e-3 * ref[3])
+
+
 def test_advunlearn_component_and_layers_restrict_the_edit(base):
     a = copy.deepcopy(base)
     small_advunlearn(component="attn").erase(a, ["circle"], seed=0, domain=DOMAIN)
@@ -240,10 +253,10 @@ def test_advunlearn_token_attack_decodes_to_hard_prompts(base, pipe):
 
 def test_advunlearn_retain_prompts_and_errors():
     m = AdvUnlearnMethod(retain_concepts={"default": ["<others>"]}, retain_templates={"tinyworld": "an image of a {}"})
-    assert m.retain_prompts(["circle"], "tinyworld") == [
+    assert m.retain_prompts(["circle"], DOMAIN) == [
         f"an image of a {s}" for s in ("square", "triangle", "star", "heart", "cross", "crescent", "diamond")]
     with pytest.raises(ConfigError, match="retain concepts"):
-        AdvUnlearnMethod(retain_concepts=["circle"]).retain_prompts(["circle"], "tinyworld")
+        AdvUnlearnMethod(retain_concepts=["circle"]).retain_prompts(["circle"], DOMAIN)
     with pytest.raises(EmmaError, match="attack_space"):
         AdvUnlearnMethod(attack_space="pixels")
     with pytest.raises(EmmaError, match="insertion"):

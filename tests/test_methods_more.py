@@ -18,6 +18,7 @@ import torch
 from conftest import changed
 
 from emma.cache import ImageCache, from_uint8, to_uint8
+from emma.domains import load_domain
 from emma.errors import ConfigError, EmmaError, WeightsUnavailableError
 from emma.generate import CachedGenerator
 from emma.methods.rece import RECEMethod, rece_adversarial_embedding
@@ -27,7 +28,7 @@ from emma.methods.spm import SPMMethod, load_spm_adapter, spm_target_modules
 from emma.methods.uce import UCEMethod
 from emma.pipelines import fingerprint, tiny_random_pipeline
 
-DOMAIN = "tinyworld"
+DOMAIN = load_domain("tinyworld")
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
@@ -152,7 +153,7 @@ def test_rece_rejects_an_unknown_technique():
 
 def test_rece_preserve_others_expands_to_the_domain_s_shapes():
     m = RECEMethod(preserve_concepts={"tinyworld": ["<others>"]})
-    assert m.preserve_prompts(["circle"], "tinyworld") == [
+    assert m.preserve_prompts(["circle"], DOMAIN) == [
         "", "square", "triangle", "star", "heart", "cross", "crescent", "diamond"]
 
 
@@ -222,8 +223,8 @@ def test_generator_with_guidance_draws_and_caches_other_images(base, tmp_path):
 
 def test_sld_nsfw_safety_concept_is_the_paper_s():
     m = SLDMethod(**{k: v for k, v in method_cfg("sld").items() if k != "_target_"})
-    assert m.safety_concept(["nudity"], "nsfw") == SLD_DEFAULT_SAFETY_CONCEPT
-    assert m.safety_concept(["circle"], "tinyworld") == "circle"
+    assert m.safety_concept(["nudity"], load_domain("nsfw")) == SLD_DEFAULT_SAFETY_CONCEPT
+    assert m.safety_concept(["circle"], DOMAIN) == "circle"
 
 
 def test_sld_cell_records_inference_time_guidance(tmp_path):
@@ -281,6 +282,25 @@ def test_salun_xattn_group_stays_in_cross_attention(base, pipe):
     small_salun(parameter_group="xattn").erase(pipe, ["circle"], seed=0, domain=DOMAIN)
     ch = changed(base, pipe)
     assert ch and all(".attn2." in k for k in ch)
+
+
+def delta_summary(a, b, component: str) -> torch.Tensor:
+    """Σ|Δ|, ΣΔ, Δ·r (a fixed random direction) and |Δ| of ``component``'s weights, ``a`` - ``b``:
+    numbers that any change in what a method draws, or in what order, moves far, and that
+    another machine's float rounding moves by well under 1e-3 of |Δ|."""
+    sa, sb = getattr(a, component).state_dict(), getattr(b, component).state_dict()
+    d = torch.cat([(sa[k].double() - sb[k].double()).flatten() for k in sorted(sa)])
+    r = torch.randn(d.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return torch.stack([d.abs().sum(), d.sum(), (d * r).sum(), d.norm()])
+
+
+def test_salun_erased_weights_are_pinned(base, pipe):
+    """The weights SalUn erases on the tiny random pipeline (seed 0, one thread), summarised;
+    recorded from the implementation before its steps were split into functions."""
+    small_salun().erase(pipe, ["circle"], seed=0, domain=DOMAIN)
+    got = delta_summary(pipe, base, "unet")
+    ref = [13.800838559698605, -0.13830663228145568, 0.008510647503868193, 0.1505671328514463]
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=1e-4, atol=1e-3 * ref[3])
 
 
 def test_salun_needs_another_concept(pipe):

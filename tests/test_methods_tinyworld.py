@@ -115,12 +115,13 @@ def test_ca_anchors_on_the_other_shapes_of_any_concept():
     with prior preservation; CA-model keeps the generic anchor."""
     from omegaconf import OmegaConf
 
+    from emma.domains import load_domain
     from emma.methods._common import for_domain
     from emma.methods.ca import ConceptAblationMethod
 
     cfg = ev.compose(["method=ca", "concept=star"]).method
     table = for_domain(OmegaConf.to_container(cfg.anchor_concepts, resolve=True), "tinyworld", what="")
-    anchors = ConceptAblationMethod.anchors_of(table, "star", ["star"], "tinyworld")
+    anchors = ConceptAblationMethod.anchors_of(table, "star", ["star"], load_domain("tinyworld"))
     assert anchors == [s for s in ev.SHAPES if s != "star"] and cfg.prior_preservation
     model = ev.compose(["method=ca_model", "concept=star"]).method
     assert for_domain(model.anchor_concepts, "tinyworld", what="") == "shape"

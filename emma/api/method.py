@@ -6,6 +6,7 @@ import abc
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 if TYPE_CHECKING:
+    from emma.api.domain import Domain
     from emma.api.guidance import InferenceGuidance
 
 
@@ -33,21 +34,25 @@ class ErasureMethod(abc.ABC):
         return {"name": self.name, "version": self.version, **self.hparams}
 
     @abc.abstractmethod
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Erase ``concepts`` from ``pipe`` in place and return it.
 
         Args:
             pipe: a diffusers pipeline (its ``unet`` / ``text_encoder`` are edited).
             concepts: concept names as the domain spells them.
             seed: seed of every random draw the method makes.
-            domain: the concept domain (methods pick domain-specific guide/anchor concepts).
+            domain: the concept domain the concepts belong to, or ``None``. Methods key their
+                per-domain hyper-parameters (guide/anchor concepts, templates) by its
+                ``name`` and expand ``"<others>"`` from its ``concepts``; they read no
+                config file.
         """
 
     def inference_guidance(self, pipe: Any, concepts: Sequence[str], *,
-                           domain: str | None = None) -> InferenceGuidance | None:
+                           domain: Domain | None = None) -> InferenceGuidance | None:
         """The sampling procedure images of the erased model must be drawn with, or ``None``
         (the pipeline's own). Methods that erase at inference time (SLD) return one; the
-        generation stage honours it (see :mod:`emma.api.guidance`).
+        generation stage honours it (see :mod:`emma.api.guidance`). ``domain`` as for
+        :meth:`erase`.
         """
         return None
 
@@ -59,5 +64,5 @@ class NoErasure(ErasureMethod):
     version = "1"
     edited_components = ()
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         return pipe

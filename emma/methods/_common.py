@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from emma.api.domain import Domain
 from emma.errors import ConfigError, UnknownChoiceError
 
 DEFAULT_DOMAIN = "default"
@@ -41,17 +42,34 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-def for_domain(mapping: Any, domain: str | None, *, what: str) -> Any:
+def domain_name(domain: Domain | str | None) -> str | None:
+    """The name per-domain hyper-parameter tables are keyed by: the Domain's name (a bare name
+    is taken as is, for table look-ups outside an erasure), or ``None``."""
+    if domain is None or isinstance(domain, str):
+        return domain
+    if not isinstance(domain, Domain):
+        raise TypeError(f"domain must be an emma.api.domain.Domain (e.g. emma.domains.load_domain('tinyworld')) "
+                        f"or None, got {domain!r} ({type(domain).__name__})")
+    return domain.name
+
+
+def is_style_domain(domain: Domain | str | None) -> bool:
+    """Whether ``domain``'s concepts are looks rather than things (:data:`STYLE_DOMAINS`)."""
+    return domain_name(domain) in STYLE_DOMAINS
+
+
+def for_domain(mapping: Any, domain: Domain | str | None, *, what: str) -> Any:
     """The entry of a per-domain mapping (``{object: ..., style: ..., default: ...}``).
 
     Args:
         mapping: a dict keyed by domain name; a plain string or list applies to every domain.
-        domain: the domain being erased (``None`` -> the ``default`` entry).
+        domain: the domain being erased, or its name (``None`` -> the ``default`` entry).
         what: the hyper-parameter's name, for the error message.
     """
+    name = domain_name(domain)
     if not isinstance(mapping, Mapping):
         return mapping
-    key = DEFAULT_DOMAIN if domain is None else str(domain)
+    key = DEFAULT_DOMAIN if name is None else name
     if key in mapping:
         return mapping[key]
     if DEFAULT_DOMAIN in mapping:
@@ -75,14 +93,15 @@ def for_concept(value: Any, concept: str, *, what: str) -> Any:
                       f"entry; known concepts: {', '.join(sorted(map(str, value)))}")
 
 
-def domain_hparams(hparams: dict[str, Any], overrides: Any, domain: str | None) -> dict[str, Any]:
-    """``hparams`` updated with ``overrides[domain]`` (per-domain defaults of a reference repo)."""
+def domain_hparams(hparams: dict[str, Any], overrides: Any, domain: Domain | None) -> dict[str, Any]:
+    """``hparams`` updated with ``overrides[<domain name>]`` (per-domain defaults of a reference repo)."""
     out = dict(hparams)
-    if overrides and domain is not None and domain in overrides:
-        extra = dict(overrides[domain])
+    name = domain_name(domain)
+    if overrides and name is not None and name in overrides:
+        extra = dict(overrides[name])
         unknown = sorted(set(extra) - set(hparams))
         if unknown:
-            raise ConfigError(f"domain_overrides.{domain} sets unknown hyper-parameters {unknown}; "
+            raise ConfigError(f"domain_overrides.{name} sets unknown hyper-parameters {unknown}; "
                               f"valid: {', '.join(sorted(hparams))}")
         out.update(extra)
     return out
@@ -448,23 +467,18 @@ def attention_side(num_queries: int, height: int, width: int) -> tuple[int, int]
 OTHERS = "<others>"
 
 
-def domain_concept_names(domain: str | None) -> list[str]:
-    """The concept names of ``conf/domain/<domain>.yaml`` (built once per process, shared with
-    the ``${emma.other_concepts:...}`` resolver through :func:`emma.config.build_domain`)."""
-    from omegaconf import OmegaConf
-
-    from emma.config import CONF_DIR, build_domain
-
+def domain_concept_names(domain: Domain | None) -> list[str]:
+    """The concept names of ``domain``, in its order (what ``"<others>"`` expands from)."""
     if domain is None:
-        raise ConfigError(f"'{OTHERS}' stands for the domain's other concepts, but no domain was given")
-    path = CONF_DIR / "domain" / f"{domain}.yaml"
-    if not path.exists():
-        valid = sorted(p.stem for p in (CONF_DIR / "domain").glob("*.yaml"))
-        raise UnknownChoiceError(f"domain (to expand '{OTHERS}')", str(domain), valid)
-    return list(build_domain(OmegaConf.load(path)).concepts)
+        raise ConfigError(f"'{OTHERS}' stands for the domain's other concepts, but no domain was given; "
+                          "pass the Domain being erased (domain=...) or list the concepts by name")
+    if not isinstance(domain, Domain):
+        raise ConfigError(f"'{OTHERS}' needs the Domain object, not {domain!r}, to know its concepts; build "
+                          "it with emma.domains.load_domain(name)")
+    return list(domain.concepts)
 
 
-def expand_others(names: Any, domain: str | None, erased: Sequence[str]) -> list[str]:
+def expand_others(names: Any, domain: Domain | None, erased: Sequence[str]) -> list[str]:
     """A list of concept names with ``"<others>"`` replaced by the domain's concepts that are
     not erased; erased concepts are dropped from the result either way (order kept, no
     duplicates)."""

@@ -40,12 +40,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     autocast,
     check_concepts,
     cpu_generator,
+    domain_name,
     encode_text,
     expand_others,
     for_domain,
@@ -176,7 +178,7 @@ class AdvUnlearnMethod(ErasureMethod):
         self.adversarial_ids: list[list[int]] = []
         self.adversarial_prompts: list[str] = []
 
-    def retain_prompts(self, concepts: Sequence[str], domain: str | None) -> list[str]:
+    def retain_prompts(self, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         """The retain prompts: every template over every retain concept."""
         hp = self.hparams
         names = expand_others(for_domain(hp["retain_concepts"], domain, what="AdvUnlearn retain_concepts"),
@@ -184,15 +186,14 @@ class AdvUnlearnMethod(ErasureMethod):
         t = for_domain(hp["retain_templates"], domain, what="AdvUnlearn retain_templates")
         templates = [t] if isinstance(t, str) else list(t or [])
         if not names or not templates or any(x.count("{}") > 1 for x in templates):
-            raise ConfigError(f"AdvUnlearn needs retain concepts (got {names!r} for domain {domain!r} once the "
-                              f"erased concepts are removed) and templates with at most one '{{}}' (got {templates!r})")
+            raise ConfigError(f"AdvUnlearn needs retain concepts (got {names!r} for domain {domain_name(domain)!r} "
+                              "once the erased concepts are removed) and templates with at most one '{}' "
+                              f"(got {templates!r})")
         return [x.format(n) if "{}" in x else x for n in names for x in templates]
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Fine-tune ``pipe.text_encoder`` in place so that no prompt found by the attack (nor
         the concept's own) draws ``concepts``."""
-        from diffusers import DDIMScheduler
-
         from emma.attack import DiffusersWhiteBox
 
         require_sd_pipeline(pipe, "AdvUnlearn")
@@ -200,85 +201,87 @@ class AdvUnlearnMethod(ErasureMethod):
         hp = self.hparams
         neutral = for_domain(hp["neutral_concepts"], domain, what="AdvUnlearn neutral_concepts")
         if not isinstance(neutral, str):
-            raise ConfigError(f"AdvUnlearn neutral_concepts for domain {domain!r} must be a string, got {neutral!r}")
+            raise ConfigError(f"AdvUnlearn neutral_concepts for domain {domain_name(domain)!r} must be a string, "
+                              f"got {neutral!r}")
         retain = self.retain_prompts(concepts, domain)
         gen = cpu_generator(seed)
-        unet, enc = pipe.unet, pipe.text_encoder
-        device, dtype = unet.device, unet.dtype
         frozen_before = {c: {n: p.requires_grad for n, p in getattr(pipe, c).named_parameters()}
                          for c in ("unet", "vae")}
-
-        # Everything the original text encoder says, computed once (the UNet is frozen, so
-        # the original model's predictions need no copy of it).
-        cond0 = encode_text(pipe, concepts).float()
-        blank0 = encode_text(pipe, [""]).float()
-        neutral0 = encode_text(pipe, [neutral]).float()
-        retain0 = encode_text(pipe, retain).float()
-        sampler = DDIMScheduler.from_config(pipe.scheduler.config)
-        sampler.set_timesteps(hp["ddim_steps"], device="cpu")
-        timesteps = sampler.timesteps.clone()
-        size = unet.config.sample_size
-        shape = (unet.config.in_channels, size, size)
-        eta = hp["negative_guidance"]
-
-        def draw(cond: torch.Tensor, k: int) -> torch.Tensor:
-            z = randn((len(cond), *shape), gen, device=device) * sampler.init_noise_sigma
-            return ESDMethod._sample_until(unet, sampler, timesteps[:k], z, cond, blank0.expand(len(cond), -1, -1),
-                                           hp["start_guidance"], dtype)
-
-        def predict(x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-            with autocast(device, dtype):
-                return unet(x.to(dtype), t, encoder_hidden_states=ctx.to(dtype)).sample.float()
-
-        with fp32_training(enc):
+        original = _OriginalModel(pipe, concepts, neutral, retain, hp["ddim_steps"], hp["start_guidance"], gen)
+        with fp32_training(pipe.text_encoder):
             wb = DiffusersWhiteBox(pipe)  # freezes every component; the chosen encoder weights thaw below
-            tm = enc.text_model if hasattr(enc, "text_model") else enc
-            keep = text_encoder_parameter_filter(hp["layers"], hp["component"], hp["norm_layer"])
-            params = [p for n, p in tm.named_parameters() if keep(n)]
-            if not params:
-                raise ConfigError(f"AdvUnlearn: layers={hp['layers']} component={hp['component']!r} selects no "
-                                  "text-encoder parameter")
-            for p in params:
-                p.requires_grad_(True)
-            opt = torch.optim.Adam(params, lr=hp["learning_rate"])
-            adv = None  # the current adversarial prompt: (sequences, slot embeddings or simplex)
-            self.adversarial_ids, self.adversarial_prompts = [], []
-            i_c = 0
-            bar = tqdm(range(hp["iterations"]), desc="AdvUnlearn", disable=not self.progress)
-            for it in bar:
-                if it % hp["adv_prompt_update_step"] == 0:
-                    i_c = randint(len(concepts), gen)
-                    if it >= hp["warmup_iter"] and hp["attack_step"] > 0:
-                        adv = self._attack(wb, concepts[i_c], cond0[i_c : i_c + 1], draw, predict, timesteps,
-                                           gen, adv if hp["attack_init"] == "latest" else None)
-                # unlearning step on the adversarial prompt (the plain concept before the first attack)
-                k = randint(hp["ddim_steps"], gen)
-                t = timesteps[k].to(device)
-                with torch.no_grad():
-                    xt = draw(cond0[i_c : i_c + 1], k)
-                    e_0 = predict(xt, t, neutral0)
-                    e_p = predict(xt, t, cond0[i_c : i_c + 1])
-                    target = e_0 - eta * (e_p - e_0)
-                if adv is None:
-                    emb_n = enc(wb.token_ids([concepts[i_c]]))[0]
-                else:
-                    emb_n = wb.encode_embeds(self._adv_embeds(wb, adv))
-                loss = unlearn = F.mse_loss(predict(xt, t, emb_n), target)
-                if hp["retain_loss_w"] > 0:
-                    idx = [randint(len(retain), gen) for _ in range(hp["retain_batch"])]
-                    with torch.no_grad():
-                        xr = draw(retain0[idx], k)
-                        r_p = predict(xr, t, retain0[idx])
-                    r_n = predict(xr, t, enc(wb.token_ids([retain[j] for j in idx]))[0])
-                    loss = loss + hp["retain_loss_w"] * F.mse_loss(r_n, r_p)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                bar.set_postfix(unlearn=f"{unlearn.item():.4g}", loss=f"{loss.item():.4g}", k=k)
+            opt = torch.optim.Adam(self._thaw_trained(pipe.text_encoder), lr=hp["learning_rate"])
+            self._train(wb, pipe.text_encoder, original, opt, gen)
         for c, flags in frozen_before.items():  # the white box froze them for the attack
             for n, p in getattr(pipe, c).named_parameters():
                 p.requires_grad_(flags[n])
         return pipe
+
+    def _thaw_trained(self, enc: Any) -> list[torch.nn.Parameter]:
+        """The text-encoder parameters ``layers``/``component``/``norm_layer`` select, made to
+        require gradients."""
+        hp = self.hparams
+        tm = enc.text_model if hasattr(enc, "text_model") else enc
+        keep = text_encoder_parameter_filter(hp["layers"], hp["component"], hp["norm_layer"])
+        params = [p for n, p in tm.named_parameters() if keep(n)]
+        if not params:
+            raise ConfigError(f"AdvUnlearn: layers={hp['layers']} component={hp['component']!r} selects no "
+                              "text-encoder parameter")
+        for p in params:
+            p.requires_grad_(True)
+        return params
+
+    def _train(self, wb: Any, enc: Any, original: _OriginalModel, opt: torch.optim.Optimizer,
+               gen: torch.Generator) -> None:
+        """``iterations`` unlearning steps; every ``adv_prompt_update_step`` a concept is drawn
+        and, after ``warmup_iter``, attacked."""
+        hp = self.hparams
+        concepts = original.concepts
+        adv = None  # the current adversarial prompt: (sequences, slot embeddings or simplex)
+        self.adversarial_ids, self.adversarial_prompts = [], []
+        i_c = 0
+        bar = tqdm(range(hp["iterations"]), desc="AdvUnlearn", disable=not self.progress)
+        for it in bar:
+            if it % hp["adv_prompt_update_step"] == 0:
+                i_c = randint(len(concepts), gen)
+                if it >= hp["warmup_iter"] and hp["attack_step"] > 0:
+                    adv = self._attack(wb, concepts[i_c], original.cond0[i_c : i_c + 1], original.draw,
+                                       original.predict, original.timesteps, gen,
+                                       adv if hp["attack_init"] == "latest" else None)
+            loss, unlearn, k = self._step_loss(wb, enc, original, i_c, adv, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            bar.set_postfix(unlearn=f"{unlearn.item():.4g}", loss=f"{loss.item():.4g}", k=k)
+
+    def _step_loss(self, wb: Any, enc: Any, original: _OriginalModel, i_c: int, adv: dict[str, Any] | None,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The loss of one unlearning step on concept ``i_c``'s adversarial prompt (the plain
+        concept before the first attack), with the retain term; also its unlearning term and
+        the DDIM step ``k`` drawn."""
+        hp = self.hparams
+        k = randint(hp["ddim_steps"], gen)
+        t = original.timesteps[k].to(original.device)
+        cond = original.cond0[i_c : i_c + 1]
+        with torch.no_grad():
+            xt = original.draw(cond, k)
+            e_0 = original.predict(xt, t, original.neutral0)
+            e_p = original.predict(xt, t, cond)
+            target = e_0 - hp["negative_guidance"] * (e_p - e_0)
+        if adv is None:
+            emb_n = enc(wb.token_ids([original.concepts[i_c]]))[0]
+        else:
+            emb_n = wb.encode_embeds(self._adv_embeds(wb, adv))
+        loss = unlearn = F.mse_loss(original.predict(xt, t, emb_n), target)
+        if hp["retain_loss_w"] > 0:
+            retain, retain0 = original.retain, original.retain0
+            idx = [randint(len(retain), gen) for _ in range(hp["retain_batch"])]
+            with torch.no_grad():
+                xr = original.draw(retain0[idx], k)
+                r_p = original.predict(xr, t, retain0[idx])
+            r_n = original.predict(xr, t, enc(wb.token_ids([retain[j] for j in idx]))[0])
+            loss = loss + hp["retain_loss_w"] * F.mse_loss(r_n, r_p)
+        return loss, unlearn, k
 
     # ------------------------------------------------------------------ the attack in the loop
     def _adv_embeds(self, wb: Any, adv: dict[str, Any], gen: torch.Generator | None = None) -> torch.Tensor:
@@ -349,3 +352,38 @@ class AdvUnlearnMethod(ErasureMethod):
         else:
             adv["slot"] = var.data.detach().clone()
         return adv
+
+
+class _OriginalModel:
+    """What the unedited model says, computed once: the original text encoder's embeddings of
+    the concepts, the empty, neutral and retain prompts; and, through the UNet (which stays
+    frozen, so the original model's predictions need no copy of it), latents ``x_t`` drawn
+    with such conditioning (:meth:`draw`) and noise predictions (:meth:`predict`)."""
+
+    def __init__(self, pipe: Any, concepts: list[str], neutral: str, retain: list[str], ddim_steps: int,
+                 start_guidance: float, gen: torch.Generator) -> None:
+        from diffusers import DDIMScheduler
+
+        self.concepts, self.retain = concepts, retain
+        self.unet, self.gen, self.start_guidance = pipe.unet, gen, start_guidance
+        self.device, self.dtype = pipe.unet.device, pipe.unet.dtype
+        self.cond0 = encode_text(pipe, concepts).float()
+        self.blank0 = encode_text(pipe, [""]).float()
+        self.neutral0 = encode_text(pipe, [neutral]).float()
+        self.retain0 = encode_text(pipe, retain).float()
+        self.sampler = DDIMScheduler.from_config(pipe.scheduler.config)
+        self.sampler.set_timesteps(ddim_steps, device="cpu")
+        self.timesteps = self.sampler.timesteps.clone()
+        size = self.unet.config.sample_size
+        self.shape = (self.unet.config.in_channels, size, size)
+
+    def draw(self, cond: torch.Tensor, k: int) -> torch.Tensor:
+        """``x_t`` after ``k`` DDIM steps from fresh noise (drawn from ``gen``) under ``cond``."""
+        z = randn((len(cond), *self.shape), self.gen, device=self.device) * self.sampler.init_noise_sigma
+        return ESDMethod._sample_until(self.unet, self.sampler, self.timesteps[:k], z, cond,
+                                       self.blank0.expand(len(cond), -1, -1), self.start_guidance, self.dtype)
+
+    def predict(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """The UNet's noise prediction for ``x`` at ``t`` under the text embeddings ``ctx``."""
+        with autocast(self.device, self.dtype):
+            return self.unet(x.to(self.dtype), t, encoder_hidden_states=ctx.to(self.dtype)).sample.float()

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
@@ -149,7 +150,7 @@ class ConceptAblationMethod(ErasureMethod):
         )
         self.progress = bool(progress)
 
-    def prompt_pairs(self, concepts: Sequence[str], domain: str | None) -> list[tuple[str, str]]:
+    def prompt_pairs(self, concepts: Sequence[str], domain: Domain | None) -> list[tuple[str, str]]:
         """(anchor prompt, target prompt) pairs: every template, for every concept."""
         hp = self.hparams
         anchors = for_domain(hp["anchor_concepts"], domain, what="CA anchor_concepts")
@@ -170,7 +171,7 @@ class ConceptAblationMethod(ErasureMethod):
         return pairs
 
     @staticmethod
-    def anchors_of(anchors: Any, concept: str, erased: Sequence[str], domain: str | None) -> list[str]:
+    def anchors_of(anchors: Any, concept: str, erased: Sequence[str], domain: Domain | None) -> list[str]:
         """The anchor names of ``concept``: one string, or a list where ``"<others>"`` stands
         for the domain's concepts that are not erased (anchor images then never show the
         erased concept, which a generic anchor such as "shape" may draw)."""
@@ -187,7 +188,7 @@ class ConceptAblationMethod(ErasureMethod):
                               f"concepts from {a!r}); give at least one anchor")
         return names
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Fine-tune ``pipe.unet`` so that target prompts draw what anchor prompts draw."""
         require_sd_pipeline(pipe, "CA")
         concepts = check_concepts(concepts, pipe.tokenizer, method="CA")

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError, WeightsUnavailableError
 from emma.methods._common import plain
@@ -360,7 +361,7 @@ class CheckpointMethod(ErasureMethod):
 
     # ------------------------------------------------------------------ erase
     @torch.no_grad()
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Copy the checkpoint's weights into ``pipe`` (``concepts`` are recorded, not used)."""
         state = self._read(pipe)  # all checks happen here, before any write
         for comp, sd in state.items():

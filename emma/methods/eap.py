@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError
 from emma.methods._common import (
@@ -222,7 +223,7 @@ class EAPMethod(ErasureMethod):
             raise ConfigError(f"EAP: no candidate word is left for {concept!r} once its own words are removed")
         return preserved_candidates(pipe, concept, words, hp["k_closest"], hp["num_centers"])
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Fine-tune ``pipe.unet`` in place: ESD erasure of ``concepts`` while preserving the
         adversarially chosen candidate concepts."""
         from diffusers import DDIMScheduler

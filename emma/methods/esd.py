@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
@@ -113,7 +114,7 @@ class ESDMethod(ErasureMethod):
         )
         self.progress = bool(progress)
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Fine-tune ``pipe.unet`` in place so that it no longer draws ``concepts``."""
         from diffusers import DDIMScheduler
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError
 from emma.methods._common import (
@@ -90,14 +91,14 @@ class ForgetMeNotMethod(ErasureMethod):
         )
         self.progress = bool(progress)
 
-    def prompts(self, concepts: Sequence[str], domain: str | None) -> list[str]:
+    def prompts(self, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         """One training prompt per concept."""
         template = for_domain(self.hparams["prompt_templates"], domain, what="FMN prompt_templates")
         if not isinstance(template, str) or template.count("{}") != 1:
             raise ConfigError(f"FMN prompt template must be a string with one '{{}}', got {template!r}")
         return [template.format(c) for c in concepts]
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Fine-tune ``pipe.unet`` so that images no longer attend to the concepts' tokens."""
         require_sd_pipeline(pipe, "FMN")
         concepts = check_concepts(concepts, pipe.tokenizer, method="FMN")

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
 from emma.methods._common import (
-    STYLE_DOMAINS,
     Attn2Processor,
     CrossAttnRecorder,
     LoRADelta,
@@ -56,11 +56,13 @@ from emma.methods._common import (
     cpu_generator,
     decode_latents,
     domain_hparams,
+    domain_name,
     encode_text,
     for_concept,
     for_domain,
     fp32_training,
     generate_latents,
+    is_style_domain,
     mace_importance_weights,
     plain,
     randint,
@@ -269,14 +271,14 @@ class MACEMethod(ErasureMethod):
         self.progress = bool(progress)
 
     # ------------------------------------------------------------------ prompts
-    def templates(self, hp: dict[str, Any], domain: str | None) -> list[str]:
+    def templates(self, hp: dict[str, Any], domain: Domain | None) -> list[str]:
         table = hp["prompt_templates"] or {}
-        if isinstance(table, dict) and (domain in table or "default" in table):
+        if isinstance(table, dict) and (domain_name(domain) in table or "default" in table):
             out = list(for_domain(table, domain, what="MACE prompt_templates"))
         elif isinstance(table, list):
             out = list(table)
         else:
-            out = list(STYLE_TEMPLATES if domain in STYLE_DOMAINS else OBJECT_TEMPLATES)
+            out = list(STYLE_TEMPLATES if is_style_domain(domain) else OBJECT_TEMPLATES)
         bad = [t for t in out if t.count("{}") != 1]
         if bad or not out:
             raise ConfigError("MACE prompt_templates need exactly one '{}' each; "
@@ -284,7 +286,7 @@ class MACEMethod(ErasureMethod):
         return out
 
     # ------------------------------------------------------------------ erase
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Erase ``concepts`` from ``pipe.unet``'s cross-attention keys/values in place."""
         require_sd_pipeline(pipe, "MACE")
         concepts = check_concepts(concepts, pipe.tokenizer, method="MACE")
@@ -463,7 +465,7 @@ class MACEMethod(ErasureMethod):
 
     # ------------------------------------------------------------------ helpers
     @torch.no_grad()
-    def _preserve_stats(self, pipe: Any, hp: dict[str, Any], domain: str | None, concepts: Sequence[str],
+    def _preserve_stats(self, pipe: Any, hp: dict[str, Any], domain: Domain | None, concepts: Sequence[str],
                         layers: list) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Σ (W_old c) cᵀ and Σ c cᵀ over every token of the preserve prompts, per layer."""
         pres = for_domain(hp["preserve_concepts"], domain, what="MACE preserve_concepts") or []
@@ -480,7 +482,7 @@ class MACEMethod(ErasureMethod):
         return out
 
     def _masks(self, pipe: Any, latents: torch.Tensor, concept: str, prompt: str, hp: dict[str, Any],
-               domain: str | None, gen: torch.Generator) -> torch.Tensor | None:
+               domain: Domain | None, gen: torch.Generator) -> torch.Tensor | None:
         """Masks (N, h, w) at latent resolution, or ``None`` for the whole image."""
         kind = hp["segmenter"]
         if kind == "none":

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
@@ -156,12 +157,12 @@ class RECEMethod(ErasureMethod):
         mods = attn2_modules(pipe.unet)
         return [m.to_v for _, m in mods] + ([m.to_k for _, m in mods] if self.hparams["with_to_k"] else [])
 
-    def preserve_prompts(self, concepts: Sequence[str], domain: str | None) -> list[str]:
+    def preserve_prompts(self, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         pres = for_domain(self.hparams["preserve_concepts"], domain, what="RECE preserve_concepts") or []
         return [""] + [p for p in expand_others(pres, domain, concepts) if p != ""]
 
     @torch.no_grad()
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """UCE, then ``epochs`` rounds of adversarial-embedding erasure (``seed`` is unused:
         every step is closed form)."""
         require_sd_pipeline(pipe, "RECE")

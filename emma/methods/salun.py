@@ -28,6 +28,7 @@ half; this follows the paper, the most salient.)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
@@ -43,6 +45,7 @@ from emma.methods._common import (
     check_concepts,
     cpu_generator,
     diffusion_target,
+    domain_name,
     encode_text,
     expand_others,
     for_domain,
@@ -142,7 +145,7 @@ class SalUnMethod(ErasureMethod):
         self.progress = bool(progress)
         self.last_mask: dict[str, torch.Tensor] | None = None  # the mask of the last erase (tests)
 
-    def _templates(self, domain: str | None) -> list[str]:
+    def _templates(self, domain: Domain | None) -> list[str]:
         t = for_domain(self.hparams["prompt_templates"], domain, what="SalUn prompt_templates")
         templates = [t] if isinstance(t, str) else list(t or [])
         bad = [x for x in templates if x.count("{}") != 1]
@@ -150,24 +153,41 @@ class SalUnMethod(ErasureMethod):
             raise ConfigError(f"SalUn prompt_templates need exactly one '{{}}' each; bad: {bad or 'empty list'}")
         return templates
 
-    def _concept_list(self, key: str, concepts: Sequence[str], domain: str | None) -> list[str]:
+    def _concept_list(self, key: str, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         names = expand_others(for_domain(self.hparams[key], domain, what=f"SalUn {key}"), domain, concepts)
         if not names:
-            raise ConfigError(f"SalUn {key} for domain {domain!r} is empty once the erased concepts are "
+            raise ConfigError(f"SalUn {key} for domain {domain_name(domain)!r} is empty once the erased concepts are "
                               "removed; give at least one other concept (or '<others>')")
         return names
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Compute the saliency mask, then unlearn ``concepts`` on the masked UNet weights."""
         require_sd_pipeline(pipe, "SalUn")
         concepts = check_concepts(concepts, pipe.tokenizer, method="SalUn")
-        hp = self.hparams
         gen = cpu_generator(seed)
+        data = self._training_set(pipe, concepts, domain, gen)
+        unet = pipe.unet
+        dtype = unet.dtype  # the pipeline's own precision (autocast), before the fp32 master weights
+        sched = training_scheduler(pipe)
+        with fp32_training(unet):
+            params = train_only(unet, salun_parameter_filter(self.hparams["parameter_group"]))
+            grads = self._forget_gradients(unet, params, sched, data, gen, dtype)
+            mask = {k: m.to(unet.device) for k, m in saliency_mask(grads, self.hparams["mask_ratio"]).items()}
+            del grads
+            self.last_mask = {k: m.cpu() for k, m in mask.items()}
+            self._unlearn(unet, params, mask, sched, data, gen, dtype)
+        return pipe
+
+    def _training_set(self, pipe: Any, concepts: list[str], domain: Domain | None,
+                      gen: torch.Generator) -> _TrainingSet:
+        """``num_images`` forget images of ``concepts`` and as many retain images, drawn by the
+        unedited model, with the embeddings of their captions and of each forget image's
+        pseudo label (a retain/pseudo concept drawn per image)."""
+        hp = self.hparams
         templates = self._templates(domain)
         pseudo = self._concept_list("pseudo_concepts", concepts, domain)
         retain = self._concept_list("retain_concepts", concepts, domain)
         n = hp["num_images"]
-
         forget_prompts = [templates[i % len(templates)].format(concepts[i % len(concepts)]) for i in range(n)]
         pseudo_prompts = [templates[i % len(templates)].format(pseudo[randint(len(pseudo), gen)]) for i in range(n)]
         retain_prompts = [templates[i % len(templates)].format(retain[randint(len(retain), gen)]) for i in range(n)]
@@ -176,80 +196,88 @@ class SalUnMethod(ErasureMethod):
                       progress=self.progress)
         x_forget = generate_latents(pipe, forget_prompts, seeds[:n], desc="SalUn forget images", **sample)
         x_retain = generate_latents(pipe, retain_prompts, seeds[n:], desc="SalUn retain images", **sample)
-        c_forget = encode_text(pipe, forget_prompts)
-        c_pseudo = encode_text(pipe, pseudo_prompts)
-        c_retain = encode_text(pipe, retain_prompts)
-        c_null = encode_text(pipe, [""])
+        return _TrainingSet(x_forget=x_forget, x_retain=x_retain, c_forget=encode_text(pipe, forget_prompts),
+                            c_pseudo=encode_text(pipe, pseudo_prompts), c_retain=encode_text(pipe, retain_prompts),
+                            c_null=encode_text(pipe, [""]))
 
-        unet = pipe.unet
-        device, dtype = unet.device, unet.dtype
-        sched = training_scheduler(pipe)
-        n_t = sched.config.num_train_timesteps
-        bs = hp["train_batch_size"]
-        with fp32_training(unet):
-            params = train_only(unet, salun_parameter_filter(hp["parameter_group"]))
-
-            # 1. saliency: |sum of the forgetting loss's gradients| over the forget set
-            grads = {k: torch.zeros_like(p) for k, p in params.items()}
-            g = hp["mask_guidance"]
-            for s in tqdm(range(0, n, bs), desc="SalUn saliency", disable=not self.progress, leave=False):
-                idx = list(range(s, min(s + bs, n)))
-                x0 = x_forget[idx].to(device, torch.float32)
-                noise = randn(x0.shape, gen, like=x0)
-                t = torch.randint(0, n_t, (len(idx),), generator=gen).to(device)
-                xt = sched.add_noise(x0, noise, t)
-                with autocast(device, dtype):
-                    e_c = unet(xt, t, encoder_hidden_states=c_forget[idx].to(device, torch.float32)).sample
-                    e_0 = unet(xt, t, encoder_hidden_states=c_null.expand(len(idx), -1, -1).to(
-                        device, torch.float32)).sample
-                pred = (1 + g) * e_c.float() - g * e_0.float()
-                loss = -F.mse_loss(pred, diffusion_target(sched, x0, noise, t).float())
-                unet.zero_grad(set_to_none=True)
-                loss.backward()
-                for k, p in params.items():
-                    if p.grad is not None:
-                        grads[k] += p.grad.detach()
+    def _forget_gradients(self, unet: Any, params: dict[str, torch.nn.Parameter], sched: Any,
+                          data: _TrainingSet, gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Step 1, saliency: the sum over the forget set of the forgetting loss's gradients."""
+        hp = self.hparams
+        device, n, bs, g = unet.device, hp["num_images"], hp["train_batch_size"], hp["mask_guidance"]
+        grads = {k: torch.zeros_like(p) for k, p in params.items()}
+        for s in tqdm(range(0, n, bs), desc="SalUn saliency", disable=not self.progress, leave=False):
+            idx = list(range(s, min(s + bs, n)))
+            x0, noise, t, xt = _noised(sched, data.x_forget, idx, gen, device)
+            with autocast(device, dtype):
+                e_c = unet(xt, t, encoder_hidden_states=data.c_forget[idx].to(device, torch.float32)).sample
+                e_0 = unet(xt, t, encoder_hidden_states=data.c_null.expand(len(idx), -1, -1).to(
+                    device, torch.float32)).sample
+            pred = (1 + g) * e_c.float() - g * e_0.float()
+            loss = -F.mse_loss(pred, diffusion_target(sched, x0, noise, t).float())
             unet.zero_grad(set_to_none=True)
-            mask = {k: m.to(device) for k, m in saliency_mask(grads, hp["mask_ratio"]).items()}
-            del grads
-            self.last_mask = {k: m.cpu() for k, m in mask.items()}
+            loss.backward()
+            for k, p in params.items():
+                if p.grad is not None:
+                    grads[k] += p.grad.detach()
+        unet.zero_grad(set_to_none=True)
+        return grads
 
-            # 2. random-label unlearning with masked gradients
-            opt = torch.optim.Adam(params.values(), lr=hp["learning_rate"])
-            steps = hp["epochs"] * math.ceil(n / bs)
-            f_order: list[int] = []
-            r_order: list[int] = []
-            bar = tqdm(range(steps), desc="SalUn", disable=not self.progress)
-            for _ in bar:
-                fi, ri = [], []
-                for _ in range(bs):
-                    if not f_order:
-                        f_order = torch.randperm(n, generator=gen).tolist()
-                    if not r_order:
-                        r_order = torch.randperm(n, generator=gen).tolist()
-                    fi.append(f_order.pop())
-                    ri.append(r_order.pop())
-                x0 = x_forget[fi].to(device, torch.float32)
-                noise = randn(x0.shape, gen, like=x0)
-                t = torch.randint(0, n_t, (bs,), generator=gen).to(device)
-                xt = sched.add_noise(x0, noise, t)
-                r0 = x_retain[ri].to(device, torch.float32)
-                r_noise = randn(r0.shape, gen, like=r0)
-                r_t = torch.randint(0, n_t, (bs,), generator=gen).to(device)
-                r_xt = sched.add_noise(r0, r_noise, r_t)
-                with autocast(device, dtype):
-                    with torch.no_grad():
-                        target = unet(xt, t, encoder_hidden_states=c_pseudo[fi].to(device, torch.float32)).sample
-                    pred = unet(xt, t, encoder_hidden_states=c_forget[fi].to(device, torch.float32)).sample
-                    r_pred = unet(r_xt, r_t, encoder_hidden_states=c_retain[ri].to(device, torch.float32)).sample
-                forget_loss = F.mse_loss(pred.float(), target.float())
-                retain_loss = F.mse_loss(r_pred.float(), diffusion_target(sched, r0, r_noise, r_t).float())
-                loss = forget_loss + hp["alpha"] * retain_loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                for k, p in params.items():
-                    if p.grad is not None:
-                        p.grad.mul_(mask[k])
-                opt.step()
-                bar.set_postfix(forget=f"{forget_loss.item():.4g}", retain=f"{retain_loss.item():.4g}")
-        return pipe
+    def _unlearn(self, unet: Any, params: dict[str, torch.nn.Parameter], mask: dict[str, torch.Tensor],
+                 sched: Any, data: _TrainingSet, gen: torch.Generator, dtype: torch.dtype) -> None:
+        """Step 2: random-label unlearning, every gradient multiplied by the saliency mask."""
+        hp = self.hparams
+        device, n, bs = unet.device, hp["num_images"], hp["train_batch_size"]
+        opt = torch.optim.Adam(params.values(), lr=hp["learning_rate"])
+        f_order: list[int] = []
+        r_order: list[int] = []
+        bar = tqdm(range(hp["epochs"] * math.ceil(n / bs)), desc="SalUn", disable=not self.progress)
+        for _ in bar:
+            fi, ri = [], []
+            for _ in range(bs):
+                if not f_order:
+                    f_order = torch.randperm(n, generator=gen).tolist()
+                if not r_order:
+                    r_order = torch.randperm(n, generator=gen).tolist()
+                fi.append(f_order.pop())
+                ri.append(r_order.pop())
+            _, _, t, xt = _noised(sched, data.x_forget, fi, gen, device)
+            r0, r_noise, r_t, r_xt = _noised(sched, data.x_retain, ri, gen, device)
+            with autocast(device, dtype):
+                with torch.no_grad():
+                    target = unet(xt, t, encoder_hidden_states=data.c_pseudo[fi].to(device, torch.float32)).sample
+                pred = unet(xt, t, encoder_hidden_states=data.c_forget[fi].to(device, torch.float32)).sample
+                r_pred = unet(r_xt, r_t, encoder_hidden_states=data.c_retain[ri].to(device, torch.float32)).sample
+            forget_loss = F.mse_loss(pred.float(), target.float())
+            retain_loss = F.mse_loss(r_pred.float(), diffusion_target(sched, r0, r_noise, r_t).float())
+            loss = forget_loss + hp["alpha"] * retain_loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            for k, p in params.items():
+                if p.grad is not None:
+                    p.grad.mul_(mask[k])
+            opt.step()
+            bar.set_postfix(forget=f"{forget_loss.item():.4g}", retain=f"{retain_loss.item():.4g}")
+
+
+@dataclasses.dataclass
+class _TrainingSet:
+    """What SalUn trains on: forget and retain latents ``(N, C, h, w)`` drawn by the model, and
+    the text embeddings of the forget captions, their pseudo labels, the retain captions and
+    the empty prompt."""
+
+    x_forget: torch.Tensor
+    x_retain: torch.Tensor
+    c_forget: torch.Tensor
+    c_pseudo: torch.Tensor
+    c_retain: torch.Tensor
+    c_null: torch.Tensor
+
+
+def _noised(sched: Any, latents: torch.Tensor, idx: list[int], gen: torch.Generator,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x0, noise, t, x_t)`` of the latents ``idx``: noise, then timesteps, drawn from ``gen``."""
+    x0 = latents[idx].to(device, torch.float32)
+    noise = randn(x0.shape, gen, like=x0)
+    t = torch.randint(0, sched.config.num_train_timesteps, (len(idx),), generator=gen).to(device)
+    return x0, noise, t, sched.add_noise(x0, noise, t)

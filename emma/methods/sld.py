@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
+from emma.api.domain import Domain
 from emma.api.guidance import InferenceGuidance
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError
-from emma.methods._common import check_concepts, for_domain, plain, require_sd_pipeline
+from emma.methods._common import check_concepts, domain_name, for_domain, plain, require_sd_pipeline
 
 # SLD's safety concept for inappropriate content (the paper's I2P categories).
 SLD_DEFAULT_SAFETY_CONCEPT = (
@@ -132,20 +133,21 @@ class SLDMethod(ErasureMethod):
                          sld_warmup_steps=int(sld_warmup_steps), sld_threshold=float(sld_threshold),
                          sld_momentum_scale=float(sld_momentum_scale), sld_mom_beta=float(sld_mom_beta))
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Check the concepts; the pipeline is returned unchanged (SLD acts while sampling)."""
         require_sd_pipeline(pipe, "SLD")
         check_concepts(concepts, pipe.tokenizer, method="SLD")
         return pipe
 
-    def safety_concept(self, concepts: Sequence[str], domain: str | None) -> str:
+    def safety_concept(self, concepts: Sequence[str], domain: Domain | None) -> str:
         template = for_domain(self.hparams["safety_concepts"], domain, what="SLD safety_concepts")
         if not isinstance(template, str):
-            raise ConfigError(f"SLD safety_concepts for domain {domain!r} must be a string, got {template!r}")
+            raise ConfigError(f"SLD safety_concepts for domain {domain_name(domain)!r} must be a string, "
+                              f"got {template!r}")
         return template.replace("{}", ", ".join(concepts))
 
     def inference_guidance(self, pipe: Any, concepts: Sequence[str], *,
-                           domain: str | None = None) -> SafeLatentGuidance:
+                           domain: Domain | None = None) -> SafeLatentGuidance:
         concepts = check_concepts(concepts, pipe.tokenizer, method="SLD")
         hp = {k: v for k, v in self.hparams.items() if k != "safety_concepts"}
         return SafeLatentGuidance(self.safety_concept(concepts, domain), **hp)

@@ -39,12 +39,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError
 from emma.methods._common import (
     autocast,
     check_concepts,
     cpu_generator,
+    domain_name,
     encode_text,
     for_domain,
     fp32_training,
@@ -231,7 +233,7 @@ class SPMMethod(ErasureMethod):
         self.adapters: list[SPMAdapter] = []
         self.concepts: list[str] = []
 
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Train one membrane per concept on the frozen UNet, then fuse them all into it."""
         from diffusers import DDIMScheduler
         from diffusers.optimization import get_cosine_with_hard_restarts_schedule_with_warmup
@@ -241,7 +243,8 @@ class SPMMethod(ErasureMethod):
         hp = self.hparams
         neutral = for_domain(hp["neutral_concepts"], domain, what="SPM neutral_concepts")
         if not isinstance(neutral, str):
-            raise ConfigError(f"SPM neutral_concepts for domain {domain!r} must be a string, got {neutral!r}")
+            raise ConfigError(f"SPM neutral_concepts for domain {domain_name(domain)!r} must be a string, "
+                              f"got {neutral!r}")
         gen = cpu_generator(seed)
         unet = pipe.unet
         device, dtype = unet.device, unet.dtype

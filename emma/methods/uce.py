@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 
+from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
-    STYLE_DOMAINS,
     attn2_modules,
     check_concepts,
     for_concept,
     for_domain,
+    is_style_domain,
     plain,
     require_sd_pipeline,
 )
@@ -122,7 +123,7 @@ class UCEMethod(ErasureMethod):
         )
 
     # ------------------------------------------------------------------ prompt pairs
-    def edit_pairs(self, concepts: Sequence[str], domain: str | None) -> list[tuple[str, str]]:
+    def edit_pairs(self, concepts: Sequence[str], domain: Domain | None) -> list[tuple[str, str]]:
         """(erase prompt, guide prompt) pairs, with the template expansion when enabled."""
         guides = for_domain(self.hparams["guide_concepts"], domain, what="UCE guide_concepts")
         pairs = []
@@ -132,11 +133,11 @@ class UCEMethod(ErasureMethod):
                 raise ConfigError(f"UCE guide for {c!r} must be a string, got {g!r}")
             pairs.append((c, g))
         if self.hparams["add_prompts"]:
-            kind = "style" if domain in STYLE_DOMAINS else "object"
+            kind = "style" if is_style_domain(domain) else "object"
             pairs += [(t.format(c), t.format(g)) for c, g in list(pairs) for t in EXPANSIONS[kind]]
         return pairs
 
-    def preserve_prompts(self, concepts: Sequence[str], domain: str | None) -> list[str]:
+    def preserve_prompts(self, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         """The empty prompt plus the domain's preserve concepts (never an erased concept)."""
         pres = for_domain(self.hparams["preserve_concepts"], domain, what="UCE preserve_concepts") or []
         if isinstance(pres, str):
@@ -146,7 +147,7 @@ class UCEMethod(ErasureMethod):
 
     # ------------------------------------------------------------------ erase
     @torch.no_grad()
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: str | None = None) -> Any:
+    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
         """Edit ``pipe.unet``'s cross-attention keys/values in closed form (``seed`` is unused:
         UCE draws nothing at random)."""
         require_sd_pipeline(pipe, "UCE")
