@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from emma.api.domain import Domain
-from emma.api.method import ErasureMethod
+from emma.api.method import OTHERS, ErasureMethod
 from emma.cache import (
     TMP_SUFFIX,
     DamagedEntry,
@@ -67,16 +67,27 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 def erase_key(base_fingerprint: str, method: ErasureMethod, concepts: Sequence[str],
-              domain: str | None, seed: int, cpu_threads: int | None = None) -> str:
+              domain: str | None, seed: int, cpu_threads: int | None = None,
+              others: Sequence[str] | None = None) -> str:
     """The erased model's cache key. ``domain``: the domain's name. ``cpu_threads``: torch's
     thread count when the erasure runs on the CPU, where it splits float reductions
     differently and a trained edit follows (a 2-thread cell must not reuse a 1-thread
-    erasure); ``None`` on a GPU."""
+    erasure); ``None`` on a GPU. ``others``: the domain's concepts, when the method's config
+    names them as ``"<others>"`` (a domain whose concepts are overridden expands it otherwise)."""
     parts = {"base": base_fingerprint, "method": method.config(), "concepts": list(concepts),
              "domain": domain, "seed": int(seed)}
     if cpu_threads is not None:
         parts["cpu_threads"] = int(cpu_threads)
+    if others is not None:
+        parts["others"] = list(others)
     return stable_hash(parts)
+
+
+def _others_of(method: ErasureMethod, domain: Domain | None) -> list[str] | None:
+    """The concepts ``"<others>"`` in ``method``'s config expands from, if it has one."""
+    if domain is None or OTHERS not in json.dumps(method.config(), default=str):
+        return None
+    return list(domain.concepts)
 
 
 def _load_component(pipe: Any, name: str, folder: Path) -> None:
@@ -151,7 +162,7 @@ def erase_cached(
                         f"got {domain!r} ({type(domain).__name__})")
     on_cpu = torch.device(getattr(pipe, "device", "cpu")).type == "cpu"
     key = erase_key(base_fingerprint, method, concepts, None if domain is None else domain.name, seed,
-                    cpu_threads=torch.get_num_threads() if on_cpu else None)
+                    cpu_threads=torch.get_num_threads() if on_cpu else None, others=_others_of(method, domain))
     if not method.edited_components:
         return EraseResult(pipe, key, base_fingerprint, 0.0, True, {"method": method.config()})
     root = Path(cache_root) / "erased"

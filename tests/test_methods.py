@@ -231,6 +231,24 @@ def test_erase_cached_keys_the_domain_by_its_name(base, tmp_path):
                      domain="tinyworld")
 
 
+def test_erase_key_covers_the_concepts_others_expands_from():
+    """A method that names "<others>" erases towards the domain's concepts as the cell has them
+    (overrides included): two domains that share a name but not their concepts get two keys;
+    a method without "<others>" keys as before."""
+    from emma.api.method import NoErasure
+    from emma.erase import _others_of, erase_key
+
+    fewer = copy.copy(DOMAIN)  # the same domain with concepts overridden
+    fewer.concepts = {k: v for k, v in DOMAIN.concepts.items() if k in ("circle", "square", "star")}
+    anchored = NoErasure(anchors=["<others>"])
+    keys = {erase_key("abc", anchored, ["circle"], d.name, 0, cpu_threads=1, others=_others_of(anchored, d))
+            for d in (DOMAIN, fewer)}
+    assert len(keys) == 2
+    assert _others_of(anchored, fewer) == ["circle", "square", "star"]
+    assert _others_of(NoErasure(), fewer) is None
+    assert _others_of(anchored, None) is None
+
+
 def test_fmn_changes_only_cross_attention(base, pipe):
     small("fmn").erase(pipe, ["circle"], seed=0, domain=DOMAIN)
     ch = changed(base, pipe)

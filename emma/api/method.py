@@ -9,6 +9,9 @@ if TYPE_CHECKING:
     from emma.api.domain import Domain
     from emma.api.guidance import InferenceGuidance
 
+#: In a method's settings, the concepts of the erased concept's domain that are not erased
+#: (anchors, preserved concepts): one preset serves every concept of a domain.
+OTHERS = "<others>"
 
 class ErasureMethod(abc.ABC):
     """Edits UNet / text-encoder weights of a diffusers pipeline (or, for inference-time

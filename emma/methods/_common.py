@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from emma.api.domain import Domain
+from emma.api.method import OTHERS
 from emma.errors import ConfigError, UnknownChoiceError
 
 DEFAULT_DOMAIN = "default"
@@ -464,7 +465,6 @@ def attention_side(num_queries: int, height: int, width: int) -> tuple[int, int]
 
 
 # --------------------------------------------------------------------------- domain concepts
-OTHERS = "<others>"
 
 
 def domain_concept_names(domain: Domain | None) -> list[str]:
