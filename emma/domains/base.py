@@ -21,13 +21,10 @@ from omegaconf.errors import OmegaConfBaseException
 from emma import registry
 from emma.api.domain import Concept, Domain, PromptSuite
 from emma.api.types import PromptRequest
-from emma.domains.text import normalize
+from emma.domains.text import PREFIX_CATEGORIES, normalize
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError
 
 logger = logging.getLogger(__name__)
-
-#: EMMA's prefix categories (paper §3.2 and appendix 6.1), in the order prompts are built.
-PREFIX_CATEGORIES: tuple[str, ...] = ("noun", "adjective", "emotion", "verb_ing", "preposition")
 
 #: Classifier names a domain may use (besides any ``conf/classifier/<name>.yaml``).
 KNOWN_CLASSIFIERS: tuple[str, ...] = (
