@@ -256,6 +256,67 @@ def test_config_errors_teach():
         ip.requests("superman")
 
 
+@pytest.mark.parametrize("name", DOMAINS)
+def test_suite_classes_come_from_the_domain_config(name):
+    from emma.domains import EmmaOfficialSuite, GeneratedSuite
+
+    for source, cls in (("emma_official", EmmaOfficialSuite), ("generated", GeneratedSuite)):
+        assert type(load_domain(name, [f"suite.source={source}"]).suite) is cls
+    # the class is whatever the config names: base.py knows no suite class
+    from emma.domains.tinyworld import TinyWorldShapeSuite
+
+    swapped = load_domain(name, ["suites.generated=emma.domains.tinyworld.TinyWorldShapeSuite",
+                                 "suite.source=generated"])
+    assert type(swapped.suite) is TinyWorldShapeSuite
+
+
+def test_bad_suite_class_is_named():
+    with pytest.raises(ConfigError, match=r"suites.generated = 'emma.domains.nope.Suite' is not an "
+                                          r"importable class"):
+        load_domain("object", ["suite.source=generated", "suites.generated=emma.domains.nope.Suite"])
+    with pytest.raises(ConfigError, match=r"suites.generated = 'emma.domains.base.EmmaDomain' is "
+                                          r"not a PromptSuite"):
+        load_domain("object", ["suite.source=generated",
+                               "suites.generated=emma.domains.base.EmmaDomain"])
+    with pytest.raises(UnknownChoiceError, match="Available: emma_official, generated$"):
+        load_domain("nsfw", ["suite.source=mine"])
+
+
+def _domain_imports() -> dict[str, set[str]]:
+    """Module -> the emma.domains modules it imports anywhere (TYPE_CHECKING and function
+    bodies included): the arrows an import circle is made of."""
+    import ast
+
+    import emma.domains
+
+    folder = Path(emma.domains.__file__).parent
+    out: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        module = f"emma.domains.{path.stem}" if path.stem != "__init__" else "emma.domains"
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            targets.update(n for n in names if n.startswith("emma.domains.") and n != module)
+        out[module] = targets
+    return out
+
+
+def test_no_import_circle_in_domains():
+    graph = _domain_imports()
+    assert "emma.domains.base" in graph["emma.domains"]
+    for suite in ("emma.domains.emma_official", "emma.domains.generated"):
+        assert "emma.domains.base" not in graph[suite]
+    assert not graph["emma.domains.base"] & {"emma.domains.emma_official", "emma.domains.generated"}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n}))
+                   for n in graph.get(start, ()))
+
+    circles = [m for m in graph if m != "emma.domains" and reaches(m, m, set())]
+    assert circles == []
+
+
 def test_domain_config_records_suite_and_versions():
     domain = generated("ip")
     domain.requests("mickey-mouse")

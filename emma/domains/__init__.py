@@ -2,7 +2,6 @@
 
 from emma.domains.base import (
     KNOWN_CLASSIFIERS,
-    PREFIX_CATEGORIES,
     EmmaDomain,
     available_domains,
     build_domain,
@@ -18,6 +17,7 @@ from emma.domains.emma_official import (
     read_emma_prompts,
 )
 from emma.domains.generated import AuthoredContent, GeneratedSuite, load_authored
+from emma.domains.text import PREFIX_CATEGORIES
 from emma.domains.validate import NameLeak, NameLeakError, check_descriptions, find_name_leaks
 
 __all__ = [

@@ -3,7 +3,8 @@
 A domain file lists the concepts (canonical name, display name, aliases, and the similar
 concepts used by RA *similar*), the EMMA template, the prefix words per category, the RA
 counts, the default classifier, images per prompt and a ``version``; ``suite.source``
-chooses who writes the prompts (EMMA's published files or our own generated content)::
+chooses who writes the prompts (EMMA's published files or our own generated content) among
+the ``suites`` the file names (source -> :class:`~emma.api.domain.PromptSuite` class)::
 
     domain = load_domain("object", ["suite.source=generated"])
     domain.requests("airplane", seed=0)
@@ -11,6 +12,7 @@ chooses who writes the prompts (EMMA's published files or our own generated cont
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -21,13 +23,10 @@ from omegaconf.errors import OmegaConfBaseException
 from emma import registry
 from emma.api.domain import Concept, Domain, PromptSuite
 from emma.api.types import PromptRequest
-from emma.domains.text import normalize
+from emma.domains.text import PREFIX_CATEGORIES, normalize
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError
 
 logger = logging.getLogger(__name__)
-
-#: EMMA's prefix categories (paper §3.2 and appendix 6.1), in the order prompts are built.
-PREFIX_CATEGORIES: tuple[str, ...] = ("noun", "adjective", "emotion", "verb_ing", "preposition")
 
 #: Classifier names a domain may use (besides any ``conf/classifier/<name>.yaml``).
 KNOWN_CLASSIFIERS: tuple[str, ...] = (
@@ -281,26 +280,41 @@ def load_domain(name: str, overrides: Iterable[str] = ()) -> Domain:
         raise
 
 
-def _build_suite(domain_name: str, suite: Any) -> PromptSuite:
+def _build_suite(domain_name: str, suite: Any, suites: Mapping[str, str] | None) -> PromptSuite:
+    """The suite ``suite.source`` names among the domain's ``suites`` (source -> class path),
+    built with the options of ``suite`` that its class takes (the others are warned about)."""
     if isinstance(suite, PromptSuite):
         return suite
-    from emma.domains.emma_official import EmmaOfficialSuite
-    from emma.domains.generated import GeneratedSuite
-
+    if not suites:
+        raise ConfigError(f"domain {domain_name!r} lists no `suites` (suite.source -> PromptSuite "
+                          "class, e.g. generated: emma.domains.generated.GeneratedSuite)")
     cfg = dict(_plain(suite) or {})
-    source = cfg.pop("source", "emma_official")
-    options = {
-        "emma_official": ("root", "repair", "labels_file"),
-        "generated": ("descriptions",),
-    }
-    if source not in options:
-        raise UnknownChoiceError(f"suite.source of domain {domain_name!r}", source, options)
-    ignored = {k: v for k, v in cfg.items() if k not in options[source] and v not in (None, False)}
+    source = cfg.pop("source", next(iter(suites)))
+    if source not in suites:
+        raise UnknownChoiceError(f"suite.source of domain {domain_name!r}", source, suites)
+    cls = _suite_class(domain_name, source, suites[source])
+    takes = [n for n, p in inspect.signature(cls).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    ignored = {k: v for k, v in cfg.items() if k not in takes and v not in (None, False)}
     if ignored:
         logger.warning("domain %s: suite options %s do not apply to suite.source=%s",
                        domain_name, sorted(ignored), source)
-    kwargs = {k: cfg[k] for k in options[source] if k in cfg}
-    return EmmaOfficialSuite(**kwargs) if source == "emma_official" else GeneratedSuite(**kwargs)
+    return cls(**{k: cfg[k] for k in takes if k in cfg})
+
+
+def _suite_class(domain_name: str, source: str, path: str) -> type[PromptSuite]:
+    """The :class:`PromptSuite` class at ``path`` (``suites.<source>`` of a domain config)."""
+    import hydra.utils
+
+    try:
+        cls = hydra.utils.get_class(path)
+    except Exception as exc:  # Hydra raises ImportError or ValueError, wrapped variously
+        raise ConfigError(f"domain {domain_name!r}: suites.{source} = {path!r} is not an importable "
+                          f"class ({str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r})"
+                          ) from None
+    if not issubclass(cls, PromptSuite):
+        raise ConfigError(f"domain {domain_name!r}: suites.{source} = {path!r} is not a PromptSuite")
+    return cls
 
 
 def build_domain(
@@ -311,6 +325,7 @@ def build_domain(
     suite: Mapping[str, Any] | PromptSuite,
     prefixes: Mapping[str, Sequence[str]],
     classifier: str,
+    suites: Mapping[str, str] | None = None,
     n_random: int = 10,
     n_similar: int = 5,
     images_per_prompt: int = 30,
@@ -325,10 +340,13 @@ def build_domain(
         version: bumped whenever concepts or prompts change.
         concepts: ``{name, display, aliases, similar}`` mappings (or bare names).
         template: the EMMA template with ``{c}``.
-        suite: ``{source: emma_official | generated, ...}`` or a ready
+        suite: ``{source: <a key of suites>, <options of that suite>...}`` or a ready
             :class:`~emma.api.domain.PromptSuite`.
         prefixes: prefix words per category (:data:`PREFIX_CATEGORIES`).
         classifier: default judge (a ``conf/classifier`` name).
+        suites: ``suite.source`` -> class path of the :class:`~emma.api.domain.PromptSuite`
+            that writes the prompts (``generated: emma.domains.generated.GeneratedSuite``);
+            the first is the default source.
         n_random: RA random concepts per target.
         n_similar: RA similar concepts per target.
         images_per_prompt: images per prompt (EMMA: 30).
@@ -355,7 +373,7 @@ def build_domain(
         pool_concepts = [_concept_from(c) for c in random_pool]
         pool_names = [c.name for c in pool_concepts]
     return EmmaDomain(
-        name=name, version=str(version), concepts=concepts, suite=_build_suite(name, suite),
+        name=name, version=str(version), concepts=concepts, suite=_build_suite(name, suite, _plain(suites)),
         template=template, prefixes=_plain(prefixes), similar=similar, n_random=n_random,
         n_similar=n_similar, random_pool=pool_names, classifier=classifier,
         images_per_prompt=images_per_prompt, random_pool_concepts=pool_concepts,

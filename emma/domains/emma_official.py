@@ -37,16 +37,13 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from emma.api.domain import Domain, PromptSuite
+from emma.api.domain import Concept, Domain, PromptSuite
 from emma.datasets.download import DataUnavailableError, RemoteFile, fetch
 from emma.domains.text import extract, fold, normalize, render
 from emma.domains.validate import validate_descriptions
 from emma.errors import ConfigError, EmmaError
-
-if TYPE_CHECKING:
-    from emma.domains.base import EmmaDomain
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +278,7 @@ def _entries(obj: Any, rel: str, defects: list[Defect]) -> dict[str, list[str]]:
 
 def read_emma_prompts(
     root: str | Path,
-    domain: EmmaDomain,
+    domain: Domain,
     *,
     repair: bool = False,
     classifier_labels: Sequence[str] | None = None,
@@ -290,7 +287,8 @@ def read_emma_prompts(
 
     Args:
         root: folder holding EMMA's ``prompts/`` content (``<root>/<emma_dir>/1_name.json``).
-        domain: the harness domain (concepts, template, exclusions, RA counts).
+        domain: the harness domain with EMMA's extras (an :class:`~emma.domains.EmmaDomain`:
+            ``emma_dir``, ``has_variants``, ``excluded``, ``resolve``, RA counts).
         repair: collapse repeated hint prefixes and re-render misspelt name prompts.
         classifier_labels: labels the domain's classifier detects; concepts missing from
             them are reported as ``undetectable_concept``.
@@ -304,17 +302,42 @@ def read_emma_prompts(
     """
     if not domain.emma_dir:
         raise ConfigError(f"domain {domain.name!r} has no EMMA prompt files (emma_dir is null)")
-    folder = Path(root) / domain.emma_dir
     defects: list[Defect] = []
+    raw, digests = _read_files(Path(root) / domain.emma_dir, domain, defects)
+    key_to_name, excluded_keys = _match_keys(raw, domain, defects)
+    defects.extend(_missing_keys(raw, domain, key_to_name, excluded_keys))
+    prompts: dict[str, dict[str, list[tuple[str, str]]]] = {n: {} for n in domain.concepts}
+    for kind, entries in raw.items():
+        checked = _check_file(kind, entries, domain, key_to_name, excluded_keys, repair, defects)
+        for name, items in checked.items():
+            prompts[name][kind] = items
+    if classifier_labels is not None:
+        blind = _undetectable(domain, classifier_labels)
+        if blind is not None:
+            defects.append(blind)
+    prompts = {name: kinds for name, kinds in prompts.items() if kinds}
+    return EmmaPromptFiles(domain=domain.name, emma_dir=domain.emma_dir, prompts=prompts,
+                           keys=key_to_name, defects=defects, sha256=digests)
+
+
+def _rel(domain: Domain, kind: str) -> str:
+    """``"<dir>/<file>"`` of one prompt type (how defects name a file)."""
+    return f"{domain.emma_dir}/{PROMPT_FILES[kind]}"
+
+
+def _read_files(folder: Path, domain: Domain, defects: list[Defect],
+                ) -> tuple[dict[str, dict[str, list[str]]], dict[str, str]]:
+    """The entries of every prompt file of ``domain`` in ``folder`` (per type, key -> prompts)
+    and the sha256 of each file read; unreadable or unexpected files become defects."""
     raw: dict[str, dict[str, list[str]]] = {}
     digests: dict[str, str] = {}
     kinds = [k for k in PROMPT_FILES if k != "variant" or domain.has_variants]
     if not domain.has_variants and (folder / PROMPT_FILES["variant"]).is_file():
-        defects.append(Defect("ignored_file", f"{domain.emma_dir}/{PROMPT_FILES['variant']}",
+        defects.append(Defect("ignored_file", _rel(domain, "variant"),
                               f"the {domain.name} domain has no variant prompts", severity="info",
                               action="skipped"))
     for kind in kinds:
-        rel = f"{domain.emma_dir}/{PROMPT_FILES[kind]}"
+        rel = _rel(domain, kind)
         path = folder / PROMPT_FILES[kind]
         if not path.is_file():
             defects.append(Defect("missing_file", rel, f"not found under {folder}; no {kind} prompts",
@@ -333,13 +356,18 @@ def read_emma_prompts(
             raise EmmaError(f"{path} is not valid JSON ({exc}); expected EMMA's "
                             "[{concept: [prompts]}, ...] format") from exc
         raw[kind] = _entries(obj, rel, defects)
+    return raw, digests
 
-    # -- which keys are concepts ------------------------------------------------------------
+
+def _match_keys(raw: dict[str, dict[str, list[str]]], domain: Domain, defects: list[Defect],
+                ) -> tuple[dict[str, str], dict[str, str]]:
+    """Which keys of the files are concepts of ``domain``: ``(key -> concept name, key ->
+    excluded concept)``; keys that are neither are reported as ``extra_keys`` and dropped."""
     excluded = {normalize(k): k for k in getattr(domain, "excluded", {})}
     key_to_name: dict[str, str] = {}
     excluded_keys: dict[str, str] = {}  # key -> excluded concept
     for kind, entries in raw.items():
-        rel = f"{domain.emma_dir}/{PROMPT_FILES[kind]}"
+        rel = _rel(domain, kind)
         extra, dropped = [], []
         for key in entries:
             name = domain.resolve(key)
@@ -365,10 +393,16 @@ def read_emma_prompts(
             defects.append(Defect(
                 "excluded_concept", rel, f"{key!r} is excluded from the {domain.name} domain: {reason}",
                 concepts=(key,), count=1, action="dropped", example=key))
+    return key_to_name, excluded_keys
 
-    # -- keys missing from a file -------------------------------------------------------------
+
+def _missing_keys(raw: dict[str, dict[str, list[str]]], domain: Domain,
+                  key_to_name: dict[str, str], excluded_keys: dict[str, str]) -> list[Defect]:
+    """A ``missing_prompts`` defect for every file that lacks concepts (or excluded concepts
+    that the other files have)."""
+    defects = []
     for kind, entries in raw.items():
-        rel = f"{domain.emma_dir}/{PROMPT_FILES[kind]}"
+        rel = _rel(domain, kind)
         present = {key_to_name[k] for k in entries if k in key_to_name}
         lacking = [n for n in domain.concepts if n not in present]
         lacking_excluded = [k for k in excluded_keys if k not in entries]
@@ -382,124 +416,172 @@ def read_emma_prompts(
                 "files have them (the concept is excluded anyway)", concepts=tuple(lacking_excluded),
                 count=len(lacking_excluded), severity="info", action="skipped",
                 example=lacking_excluded[0]))
+    return defects
 
-    # -- per-file content checks ----------------------------------------------------------------
+
+class _Findings:
+    """The prompts of one file that show a defect, per defect code (in the order first seen)."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[str, list[str]] = defaultdict(list)  # code -> affected prompts
+        self.concepts: dict[str, list[str]] = defaultdict(list)  # code -> affected concepts
+        self.notes: dict[str, set[str]] = defaultdict(set)  # code -> what exactly was wrong
+
+    def add(self, code: str, prompt: str, concept: str, note: str | None = None) -> None:
+        self.prompts[code].append(prompt)
+        self.concepts[code].append(concept)
+        if note is not None:
+            self.notes[code].add(note)
+
+
+def _check_file(kind: str, entries: dict[str, list[str]], domain: Domain,
+                key_to_name: dict[str, str], excluded_keys: dict[str, str], repair: bool,
+                defects: list[Defect]) -> dict[str, list[tuple[str, str]]]:
+    """The ``(prompt, concept_to_check)`` pairs of one file per concept name, after checking
+    prompt counts and every prompt; what was found is appended to ``defects``."""
+    rel = _rel(domain, kind)
     expected = {**EXPECTED_COUNTS, "random": domain.n_random,
-                "similar": getattr(domain, "n_similar", 5)}
-    prompts: dict[str, dict[str, list[tuple[str, str]]]] = {n: {} for n in domain.concepts}
-    checked_keys = [*key_to_name, *excluded_keys]
-    for kind, entries in raw.items():
-        rel = f"{domain.emma_dir}/{PROMPT_FILES[kind]}"
-        wrong_counts = [(k, len(entries[k])) for k in checked_keys if k in entries
-                        and len(entries[k]) != expected[kind]]
-        if wrong_counts:
-            desc = ", ".join(f"{k!r} has {n}" for k, n in wrong_counts)
-            defects.append(Defect(
-                "count_mismatch", rel, f"{desc}; EMMA's protocol has {expected[kind]} {kind} "
-                "prompts per concept", concepts=tuple(k for k, _ in wrong_counts),
-                count=len(wrong_counts), action="kept"))
-        found: dict[str, list[str]] = defaultdict(list)  # code -> affected prompts
-        affected: dict[str, list[str]] = defaultdict(list)  # code -> affected concepts
-        notes: dict[str, set[str]] = defaultdict(set)
-        for key, name in key_to_name.items():
-            if key not in entries:
-                continue
-            concept = domain.concepts[name]
-            items: list[tuple[str, str]] = []
-            for prompt in entries[key]:
-                text = prompt
-                if kind == "name":
-                    written = extract(domain.template, prompt)
-                    issue = _spelling_issue(written, concept.label) if written is not None else "template"
-                    if issue:
-                        code = "template_mismatch" if issue == "template" else "name_spelling"
-                        found[code].append(prompt)
-                        affected[code].append(name)
-                        notes[code].add(issue)
-                        if repair and code == "name_spelling":
-                            text = render(domain.template, concept.label)
-                elif kind == "prefix":
-                    written = extract(domain.template, prompt)
-                    if written is None or not normalize(written).endswith(normalize(concept.label)):
-                        found["template_mismatch"].append(prompt)
-                        affected["template_mismatch"].append(name)
-                    elif not fold(written).endswith(fold(concept.label)):
-                        found["prefix_despaced"].append(prompt)
-                        affected["prefix_despaced"].append(name)
-                elif kind in ("short", "long"):
-                    m = _HINT.match(prompt)
-                    if m:
-                        found["repeated_hint"].append(prompt)
-                        affected["repeated_hint"].append(name)
-                        if repair:
-                            text = m.group("hint") + " " + prompt[m.end():]
-                    if validate_descriptions(concept, [prompt]):
-                        found["name_leak"].append(prompt)
-                        affected["name_leak"].append(name)
-                if kind in ("random", "similar"):
-                    written = extract(domain.template, prompt)
-                    if written is None:
-                        found["template_mismatch"].append(prompt)
-                        affected["template_mismatch"].append(name)
-                        continue
-                    other = domain.resolve(written, "random" if kind == "random" else "domain")
-                    if other == name:
-                        found["ra_is_target"].append(prompt)
-                        affected["ra_is_target"].append(name)
-                    if other is None:
-                        other = written
-                        if kind == "random" or getattr(domain, "similar_in_domain", True):
-                            found["unknown_ra_concept"].append(prompt)
-                            affected["unknown_ra_concept"].append(written)
-                    items.append((text, other))
-                else:
-                    items.append((text, name))
-            if len({p for p, _ in items}) < len(items):
-                found["duplicate_prompts"].append(items[0][0])
-                affected["duplicate_prompts"].append(name)
-            prompts[name][kind] = items
-        for code, examples in found.items():
-            concepts = tuple(dict.fromkeys(affected[code]))
-            fixed = repair and code in ("name_spelling", "repeated_hint")
-            message = {
-                "name_spelling": f"{len(examples)} name prompts do not spell the concept's display "
-                                 f"name ({', '.join(sorted(notes['name_spelling']))})",
-                "template_mismatch": f"{len(examples)} prompts do not fit the template "
-                                     f"{domain.template!r} with the concept",
-                "prefix_despaced": f"{len(examples)} prefix prompts glue the prefix to a de-spaced "
-                                   f"concept name, for {len(concepts)} multi-word concepts",
-                "repeated_hint": f"{len(examples)} prompts repeat their hint prefix twice, for "
-                                 f"{len(concepts)} concepts",
-                "name_leak": f"{len(examples)} descriptions contain the concept's name or an alias, "
-                             f"for {len(concepts)} concepts",
-                "unknown_ra_concept": f"{len(examples)} RA prompts name concepts outside the "
-                                      f"{domain.name} domain {list(concepts)}; the domain's "
-                                      f"classifier ({domain.classifier}) may not judge them",
-                "ra_is_target": f"{len(examples)} RA prompts name the target concept itself",
-                "duplicate_prompts": f"{len(concepts)} concepts have duplicate prompts",
-            }[code]
-            severity: Severity = "info" if code == "prefix_despaced" else "warning"
-            defects.append(Defect(code, rel, message, concepts=concepts, count=len(examples),
-                                  severity=severity, action="repaired" if fixed else "kept",
-                                  example=examples[0][:160]))
+                "similar": getattr(domain, "n_similar", 5)}[kind]
+    wrong_counts = [(k, len(entries[k])) for k in [*key_to_name, *excluded_keys] if k in entries
+                    and len(entries[k]) != expected]
+    if wrong_counts:
+        desc = ", ".join(f"{k!r} has {n}" for k, n in wrong_counts)
+        defects.append(Defect(
+            "count_mismatch", rel, f"{desc}; EMMA's protocol has {expected} {kind} "
+            "prompts per concept", concepts=tuple(k for k, _ in wrong_counts),
+            count=len(wrong_counts), action="kept"))
+    findings = _Findings()
+    out: dict[str, list[tuple[str, str]]] = {}
+    for key, name in key_to_name.items():
+        if key not in entries:
+            continue
+        items = [item for prompt in entries[key]
+                 if (item := _check_prompt(kind, prompt, name, domain, repair, findings)) is not None]
+        if len({p for p, _ in items}) < len(items):
+            findings.add("duplicate_prompts", items[0][0], name)
+        out[name] = items
+    defects.extend(_finding_defects(rel, findings, domain, repair))
+    return out
 
-    # -- concepts the classifier cannot detect -------------------------------------------------
-    if classifier_labels is not None:
-        labels = {normalize(label) for label in classifier_labels}
-        blind = [n for n, c in domain.concepts.items()
-                 if not any(normalize(t) in labels for t in (c.name, c.display, *c.aliases) if t)]
-        if blind:
-            defects.append(Defect(
-                "undetectable_concept", "", f"{len(blind)} concepts are not among the "
-                f"{len(classifier_labels)} labels of the {domain.classifier} classifier, so it can "
-                "never detect them (EA is trivially perfect, RA trivially zero)",
-                concepts=tuple(blind), count=len(blind), action="kept", example=blind[0]))
 
-    for name in domain.concepts:
-        if not prompts[name]:
-            del prompts[name]
-    return EmmaPromptFiles(domain=domain.name, emma_dir=domain.emma_dir, prompts=prompts,
-                           keys=key_to_name, defects=defects, sha256=digests)
+def _check_prompt(kind: str, prompt: str, name: str, domain: Domain, repair: bool,
+                  findings: _Findings) -> tuple[str, str] | None:
+    """One prompt of concept ``name`` as ``(prompt, concept_to_check)``, repaired when asked;
+    ``None`` for an RA prompt whose concept cannot be read off the template."""
+    concept = domain.concepts[name]
+    if kind == "name":
+        return _check_name_prompt(prompt, concept, domain, repair, findings), name
+    if kind == "prefix":
+        _check_prefix_prompt(prompt, concept, domain, findings)
+    elif kind in ("short", "long"):
+        return _check_description(prompt, concept, repair, findings), name
+    elif kind in ("random", "similar"):
+        return _check_ra_prompt(kind, prompt, name, domain, findings)
+    return prompt, name
+
+
+def _check_name_prompt(prompt: str, concept: Concept, domain: Domain, repair: bool,
+                       findings: _Findings) -> str:
+    """A *name* prompt must be the template with the display name (re-rendered on repair)."""
+    written = extract(domain.template, prompt)
+    issue = _spelling_issue(written, concept.label) if written is not None else "template"
+    if not issue:
+        return prompt
+    code = "template_mismatch" if issue == "template" else "name_spelling"
+    findings.add(code, prompt, concept.name, note=issue)
+    if repair and code == "name_spelling":
+        return render(domain.template, concept.label)
+    return prompt
+
+
+def _check_prefix_prompt(prompt: str, concept: Concept, domain: Domain, findings: _Findings) -> None:
+    """A *prefix* prompt must end with the concept as the template puts it, spaces kept."""
+    written = extract(domain.template, prompt)
+    if written is None or not normalize(written).endswith(normalize(concept.label)):
+        findings.add("template_mismatch", prompt, concept.name)
+    elif not fold(written).endswith(fold(concept.label)):
+        findings.add("prefix_despaced", prompt, concept.name)
+
+
+def _check_description(prompt: str, concept: Concept, repair: bool, findings: _Findings) -> str:
+    """A *short*/*long* description: a repeated hint prefix (collapsed on repair) and the
+    concept's name in it are findings."""
+    text = prompt
+    m = _HINT.match(prompt)
+    if m:
+        findings.add("repeated_hint", prompt, concept.name)
+        if repair:
+            text = m.group("hint") + " " + prompt[m.end():]
+    if validate_descriptions(concept, [prompt]):
+        findings.add("name_leak", prompt, concept.name)
+    return text
+
+
+def _check_ra_prompt(kind: str, prompt: str, name: str, domain: Domain,
+                     findings: _Findings) -> tuple[str, str] | None:
+    """An RA prompt with the concept it names (resolved in the domain or the random pool, else
+    as written); ``None`` when it does not fit the template."""
+    written = extract(domain.template, prompt)
+    if written is None:
+        findings.add("template_mismatch", prompt, name)
+        return None
+    other = domain.resolve(written, "random" if kind == "random" else "domain")
+    if other == name:
+        findings.add("ra_is_target", prompt, name)
+    if other is None:
+        other = written
+        if kind == "random" or getattr(domain, "similar_in_domain", True):
+            findings.add("unknown_ra_concept", prompt, written)
+    return prompt, other
+
+
+def _finding_defects(rel: str, findings: _Findings, domain: Domain, repair: bool) -> list[Defect]:
+    """One :class:`Defect` per code found in file ``rel``."""
+    defects = []
+    for code, examples in findings.prompts.items():
+        concepts = tuple(dict.fromkeys(findings.concepts[code]))
+        fixed = repair and code in ("name_spelling", "repeated_hint")
+        severity: Severity = "info" if code == "prefix_despaced" else "warning"
+        defects.append(Defect(code, rel, _finding_message(code, len(examples), concepts, findings, domain),
+                              concepts=concepts, count=len(examples), severity=severity,
+                              action="repaired" if fixed else "kept", example=examples[0][:160]))
+    return defects
+
+
+def _finding_message(code: str, n: int, concepts: tuple[str, ...], findings: _Findings,
+                     domain: Domain) -> str:
+    """What a finding means, in words (``n`` affected prompts of ``concepts``)."""
+    return {
+        "name_spelling": f"{n} name prompts do not spell the concept's display "
+                         f"name ({', '.join(sorted(findings.notes['name_spelling']))})",
+        "template_mismatch": f"{n} prompts do not fit the template "
+                             f"{domain.template!r} with the concept",
+        "prefix_despaced": f"{n} prefix prompts glue the prefix to a de-spaced "
+                           f"concept name, for {len(concepts)} multi-word concepts",
+        "repeated_hint": f"{n} prompts repeat their hint prefix twice, for "
+                         f"{len(concepts)} concepts",
+        "name_leak": f"{n} descriptions contain the concept's name or an alias, "
+                     f"for {len(concepts)} concepts",
+        "unknown_ra_concept": f"{n} RA prompts name concepts outside the "
+                              f"{domain.name} domain {list(concepts)}; the domain's "
+                              f"classifier ({domain.classifier}) may not judge them",
+        "ra_is_target": f"{n} RA prompts name the target concept itself",
+        "duplicate_prompts": f"{len(concepts)} concepts have duplicate prompts",
+    }[code]
+
+
+def _undetectable(domain: Domain, classifier_labels: Sequence[str]) -> Defect | None:
+    """The concepts none of whose spellings is among the classifier's labels, if any."""
+    labels = {normalize(label) for label in classifier_labels}
+    blind = [n for n, c in domain.concepts.items()
+             if not any(normalize(t) in labels for t in (c.name, c.display, *c.aliases) if t)]
+    if not blind:
+        return None
+    return Defect(
+        "undetectable_concept", "", f"{len(blind)} concepts are not among the "
+        f"{len(classifier_labels)} labels of the {domain.classifier} classifier, so it can "
+        "never detect them (EA is trivially perfect, RA trivially zero)",
+        concepts=tuple(blind), count=len(blind), action="kept", example=blind[0])
 
 
 class EmmaOfficialSuite(PromptSuite):
@@ -523,12 +605,12 @@ class EmmaOfficialSuite(PromptSuite):
         self.labels_file = labels_file
         self._files: dict[str, EmmaPromptFiles] = {}
 
-    def _download(self, domain: EmmaDomain) -> Path:
+    def _download(self, domain: Domain) -> Path:
         kinds = [k for k in PROMPT_FILES if k != "variant" or domain.has_variants]
         paths = [fetch(prompt_file(domain.emma_dir, k)) for k in kinds]
         return paths[0].parent.parent
 
-    def _labels(self, domain: EmmaDomain) -> tuple[list[str] | None, Defect | None]:
+    def _labels(self, domain: Domain) -> tuple[list[str] | None, Defect | None]:
         name = getattr(domain, "classifier_labels", None)
         if not name:
             return None, None

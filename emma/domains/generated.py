@@ -15,17 +15,14 @@ import importlib.resources
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import yaml
 
 from emma.api.domain import Domain, PromptSuite
-from emma.domains.text import normalize, render
+from emma.domains.text import PREFIX_CATEGORIES, normalize, render
 from emma.domains.validate import check_descriptions
 from emma.errors import ConfigError
-
-if TYPE_CHECKING:
-    from emma.domains.base import EmmaDomain
 
 #: Counts EMMA uses per concept (paper §3.2): 10 variants, 5 short and 5 long descriptions.
 N_VARIANTS, N_SHORT, N_LONG = 10, 5, 5
@@ -59,7 +56,7 @@ def descriptions_path(domain: str) -> Path:
     return Path(str(root))
 
 
-def load_authored(domain: EmmaDomain | Domain, path: str | os.PathLike | None = None,
+def load_authored(domain: Domain, path: str | os.PathLike | None = None,
                   *, validate: bool = True) -> dict[str, AuthoredContent]:
     """Authored variants/descriptions per canonical concept name of ``domain``.
 
@@ -131,8 +128,6 @@ class GeneratedSuite(PromptSuite):
 
         A word equal to the concept (or one of its aliases) is never drawn.
         """
-        from emma.domains.base import PREFIX_CATEGORIES
-
         per = getattr(domain, "prefixes_per_category", 2)
         c = domain.concepts[concept]
         own = {normalize(t) for t in (c.name, c.display, *c.aliases) if t}

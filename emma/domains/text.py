@@ -1,4 +1,5 @@
-"""Small text helpers shared by the prompt suites: folding, templates, name matching."""
+"""Small text helpers shared by the prompt suites: folding, templates, name matching, and
+EMMA's prefix categories (what both the domains and the suites build prefix prompts from)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import unicodedata
 from functools import lru_cache
 
 PLACEHOLDER = "{c}"
+
+#: EMMA's prefix categories (paper §3.2 and appendix 6.1), in the order prompts are built.
+PREFIX_CATEGORIES: tuple[str, ...] = ("noun", "adjective", "emotion", "verb_ing", "preposition")
 
 
 def fold(text: str) -> str:
