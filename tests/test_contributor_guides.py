@@ -78,7 +78,9 @@ def test_method_guide_example_scales_exactly_one_weight(tmp_path, base, pipe, mo
     finally:
         sys.modules.pop("toy_scale", None)
     assert method.config() == {"name": "toy_scale", "version": "1", "factor": 0.25}
-    method.erase(pipe, ["circle"], seed=0, domain="tinyworld")
+    from emma.domains import load_domain
+
+    method.erase(pipe, ["circle"], seed=0, domain=load_domain("tinyworld"))
     assert changed(base, pipe) == {"conv_out.weight"}
     assert not changed(base, pipe, "text_encoder")
     assert torch.equal(pipe.unet.conv_out.weight, base.unet.conv_out.weight * 0.25)
