@@ -172,10 +172,20 @@ def build(group: str, name: str, *, scale: str | None = None,
           overrides: Mapping[str, Any] | None = None, what: str | None = None) -> Any:
     """The component :func:`load` configures, instantiated (its ``_target_``)."""
     import hydra.utils
+    from hydra.errors import InstantiationException
+
+    from emma.errors import EmmaError
 
     activate_includes()
-    return hydra.utils.instantiate(load(group, name, scale=scale, overrides=overrides, what=what),
-                                   _convert_="all")
+    cfg = load(group, name, scale=scale, overrides=overrides, what=what)
+    try:
+        return hydra.utils.instantiate(cfg, _convert_="all")
+    except InstantiationException as err:  # Hydra wraps the constructor's own error
+        cause = err.__cause__
+        if isinstance(cause, EmmaError):
+            raise cause from None
+        first = str(cause or err).strip().splitlines()[0] if str(cause or err).strip() else type(err).__name__
+        raise ConfigError(f"{group} {name!r} ({config_path(group, name)}) cannot be built: {first}") from None
 
 
 # --------------------------------------------------------------------------- whole cells

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from emma import registry
+from emma.errors import ConfigError
 from tests.conftest import ROOT
 
 FAST = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", "metrics=rates_only",
@@ -101,6 +102,10 @@ def test_include_folder_adds_choices_and_a_missing_one_is_named(tmp_path, monkey
     assert registry.config_path("method", "toy_noop") == tmp_path / "method" / "toy_noop.yaml"
     assert registry.listing("methods").splitlines()[registry.choices("method").index("toy_noop")] \
         .split(None, 1) == ["toy_noop", "a toy"]
+    (tmp_path / "domain").mkdir()
+    (tmp_path / "domain" / "toy_broken.yaml").write_text("_target_: emma.domains.build_domain\nname: toy_broken\n")
+    with pytest.raises(ConfigError, match=r"^domain 'toy_broken' \(.*toy_broken.yaml\) cannot be built: .*missing"):
+        registry.build("domain", "toy_broken")
     monkeypatch.setenv(registry.ENV_INCLUDE, str(tmp_path / "missing"))
     with pytest.raises(Exception, match="EMMA_INCLUDE names .*missing.*which is not a folder"):
         registry.choices("method")
