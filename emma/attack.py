@@ -25,8 +25,9 @@ from tqdm.auto import tqdm
 
 from emma.api.attacker import Attacker, AttackTarget, AttackTargetError, SamplerSettings
 from emma.api.types import AttackOutput, GeneratedImages, PromptRequest
-from emma.cache import atomic_write_text, stable_hash, sweep_stale_tmp
+from emma.cache import stable_hash, sweep_stale_tmp
 from emma.evaluate import judge_requests
+from emma.files import atomic_write_text
 from emma.generate import CachedGenerator, GenerationTarget, Judge
 from emma.metrics.base import MetricValue
 

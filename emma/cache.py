@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image, PngImagePlugin
 
+from emma.files import TMP_SUFFIX, atomic_write_bytes, sha256_bytes
+
 if TYPE_CHECKING:  # torch is imported where used: result readers (leaderboards) need no torch
     import torch
 
-TMP_SUFFIX = ".tmp"
 META_CHUNK = "emma"  # PNG text chunk holding an image's record (key, sha256, generation timing)
 ENTRY_FORMAT = 1
 QUARANTINE = "quarantine"
@@ -135,10 +136,6 @@ def quarantine(path: str | os.PathLike, cache_root: str | os.PathLike, kind: str
     return repair
 
 
-def bytes_hash(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def stable_hash(obj: Any) -> str:
     """sha256 of a JSON-serialisable object with sorted keys."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
@@ -151,30 +148,6 @@ def tensor_hash(t: torch.Tensor) -> str:
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}".encode())
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
-
-
-def atomic_write_bytes(path: Path, data: bytes, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` via a temporary file and a rename.
-
-    The rename makes the write atomic for readers and against a killed process; ``fsync``
-    additionally makes it durable against power loss (costly for many small files).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 def _pid_alive(pid: int) -> bool:
@@ -340,7 +313,7 @@ class ScoreCache:
             raise DamagedEntry(f"scores of image {str(record.get('image'))[:12]}..., not {image_hash[:12]}...")
         if probs.dtype != np.float32 or probs.ndim != 1:
             raise DamagedEntry(f"expected a float32 vector, got {probs.dtype} {probs.shape}")
-        if record.get("sha256") != bytes_hash(probs.tobytes()):
+        if record.get("sha256") != sha256_bytes(probs.tobytes()):
             raise DamagedEntry("probabilities differ from the stored sha256")
         if n_labels is not None and len(probs) != n_labels:
             raise DamagedEntry(f"{len(probs)} probabilities for a judge with {n_labels} labels")
@@ -350,7 +323,7 @@ class ScoreCache:
 
     def put(self, image_hash: str, probs: np.ndarray) -> None:
         probs = np.ascontiguousarray(probs, dtype=np.float32).reshape(-1)
-        record = {"format": ENTRY_FORMAT, "image": image_hash, "sha256": bytes_hash(probs.tobytes())}
+        record = {"format": ENTRY_FORMAT, "image": image_hash, "sha256": sha256_bytes(probs.tobytes())}
         buf = io.BytesIO()
         np.savez(buf, probs=probs, record=np.array(json.dumps(record, sort_keys=True)))
         atomic_write_bytes(self.path(image_hash), buf.getvalue(), fsync=False)
@@ -383,11 +356,3 @@ class ClassifierScoreCache:
 
     def put(self, image_hash: str, probs: np.ndarray) -> None:
         self._cache().put(image_hash, probs)
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

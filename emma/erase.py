@@ -34,16 +34,9 @@ import torch
 
 from emma.api.domain import Domain
 from emma.api.method import OTHERS, ErasureMethod
-from emma.cache import (
-    TMP_SUFFIX,
-    DamagedEntry,
-    atomic_write_text,
-    quarantine,
-    sha256_file,
-    stable_hash,
-    sweep_stale_tmp,
-)
+from emma.cache import DamagedEntry, quarantine, stable_hash, sweep_stale_tmp
 from emma.errors import ConfigError, NonFiniteError
+from emma.files import TMP_SUFFIX, atomic_write_text, sha256_file
 from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint, freeze
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 from PIL import Image
 
-from emma.cache import atomic_write_text
+from emma.files import atomic_write_text
 
 if TYPE_CHECKING:
     from emma.api.types import Sample

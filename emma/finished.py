@@ -29,17 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from emma import registry
+from emma.files import atomic_write_text, update_with_file
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("emma", "methods", "attackers", "classifiers", "stace")
 LIBRARIES = ("torch", "diffusers", "transformers", "numpy", "scipy", "clean-fid", "scikit-image")
 FILES = ("results.json", "samples.jsonl")
-
-
-def _sha_file(path: Path, h: Any) -> None:
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
 
 
 def _tree_files(root: Path) -> list[Path]:
@@ -54,7 +49,7 @@ def tree_hash(root: Path) -> str:
     h = hashlib.sha256()
     for p in _tree_files(root):
         h.update(str(p.relative_to(root) if p != root else p.name).encode() + b"\0")
-        _sha_file(p, h)
+        update_with_file(h, p)
     return h.hexdigest()
 
 
@@ -88,7 +83,7 @@ def local_fingerprint(path: Path, cache_root: Path) -> str:
     except (OSError, ValueError):
         pass
     digest = tree_hash(path)
-    _atomic_write(memo, json.dumps({"stat": stat, "sha256": digest}))
+    atomic_write_text(memo, json.dumps({"stat": stat, "sha256": digest}))
     return digest
 
 
@@ -137,13 +132,6 @@ def _version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def enabled(cfg: Any) -> bool:

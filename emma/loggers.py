@@ -17,8 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from emma.cache import atomic_write_text
 from emma.evidence import EVIDENCE_DIR, read_evidence
+from emma.files import atomic_write_text
 from emma.results import CellResult, redact
 
 log = logging.getLogger(__name__)

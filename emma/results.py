@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from emma.cache import atomic_write_text
+from emma.files import atomic_write_text
 from emma.metrics.base import MetricValue
 
 SCHEMA_VERSION = 2

@@ -63,7 +63,7 @@ def _write_error(out: str | Path, err: BaseException) -> None:
     leaderboard show it (a crashed cell is listed, never silently missing)."""
     import traceback
 
-    from emma.cache import atomic_write_text
+    from emma.files import atomic_write_text
 
     atomic_write_text(Path(out) / "error.json", json.dumps({
         "error": f"{type(err).__name__}: {err}",

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from emma.cache import atomic_write_text, stable_hash
+from emma.cache import stable_hash
+from emma.files import atomic_write_text
 from leaderboards.collect import (
     Cell,
     FailedCell,

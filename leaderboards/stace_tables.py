@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from emma.cache import atomic_write_text
+from emma.files import atomic_write_text
 from leaderboards.collect import Cell, LeaderboardError, find_result_files, parse_results
 from leaderboards.render import csv_text, markdown
 from leaderboards.tables import Table

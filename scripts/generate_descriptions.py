@@ -26,12 +26,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from emma.api.domain import Concept, Domain
-from emma.cache import atomic_write_text
 from emma.domains import load_domain
 from emma.domains.generated import N_LONG, N_SHORT, N_VARIANTS, AuthoredContent, descriptions_path
 from emma.domains.text import normalize
 from emma.domains.validate import find_name_leaks, forbidden_terms
 from emma.errors import EmmaError
+from emma.files import atomic_write_text
 from stace.llm import parse_json_reply
 
 #: What a concept of each domain is, for the instructions.

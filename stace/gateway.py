@@ -22,8 +22,9 @@ from typing import Any, Callable, TypeVar
 import jinja2
 from pydantic import BaseModel, ValidationError
 
-from emma.cache import atomic_write_text, stable_hash
+from emma.cache import stable_hash
 from emma.errors import EmmaError
+from emma.files import atomic_write_text
 from stace.llm import ChatResult, LLMError, parse_json_reply
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"

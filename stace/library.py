@@ -23,8 +23,9 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
-from emma.cache import atomic_write_bytes, stable_hash
+from emma.cache import stable_hash
 from emma.errors import ConfigError
+from emma.files import atomic_write_bytes
 from stace.schemas import PaperCard
 
 CARDS_FILE = Path(__file__).resolve().parent / "data" / "papercards.yaml"

@@ -182,7 +182,7 @@ def _save_tensor(t: torch.Tensor, path: Path) -> None:
         return
     import io
 
-    from emma.cache import atomic_write_bytes
+    from emma.files import atomic_write_bytes
     buf = io.BytesIO()
     torch.save(t.detach().cpu().clone(), buf)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +196,8 @@ def _save_png(image: torch.Tensor, path: Path) -> None:
 
     from PIL import Image
 
-    from emma.cache import atomic_write_bytes, to_uint8
+    from emma.cache import to_uint8
+    from emma.files import atomic_write_bytes
     buf = io.BytesIO()
     Image.fromarray(to_uint8(image[None])[0]).save(buf, format="PNG")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import html
 from pathlib import Path
 from typing import Any, Callable
 
-from emma.cache import atomic_write_text
+from emma.files import atomic_write_text
 from stace.loop import STACEOutcome
 
 

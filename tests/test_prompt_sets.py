@@ -16,10 +16,10 @@ from emma.datasets import (
     load_prompt_set,
     load_unlearndiffatk,
     profession_bias_prompt_set,
-    sha256_file,
 )
 from emma.domains.emma_official import LABEL_LISTS, PROMPT_SHA256
 from emma.errors import UnknownChoiceError
+from emma.files import sha256_file
 
 SHARED = Path(os.environ.get("EMMA_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"reference data not found at {SHARED} "

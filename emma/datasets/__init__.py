@@ -8,7 +8,6 @@ from emma.datasets.download import (
     cache_dir,
     fetch,
     is_offline,
-    sha256_file,
 )
 from emma.datasets.external import (
     I2P_CATEGORIES,
@@ -39,5 +38,4 @@ __all__ = [
     "load_prompt_set",
     "load_unlearndiffatk",
     "profession_bias_prompt_set",
-    "sha256_file",
 ]

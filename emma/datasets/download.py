@@ -14,13 +14,12 @@ download and the exact path to put the file at.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 from pathlib import Path
 
-from emma.cache import atomic_write_bytes
 from emma.errors import EmmaError
+from emma.files import atomic_write_bytes, sha256_bytes, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -78,19 +77,6 @@ def cache_dir() -> Path:
 def is_offline() -> bool:
     """Whether downloads are forbidden (``EMMA_OFFLINE`` or ``HF_HUB_OFFLINE`` set to 1)."""
     return any(os.environ.get(v, "").strip().lower() in _TRUE for v in _OFFLINE_VARS)
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _http_get(url: str, timeout: float = 60.0) -> bytes:

@@ -22,8 +22,9 @@ from typing import Any
 import pandas as pd
 
 from emma.api.types import PromptRequest
-from emma.datasets.download import RemoteFile, fetch, sha256_file
+from emma.datasets.download import RemoteFile, fetch
 from emma.errors import UnknownChoiceError
+from emma.files import sha256_file
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from omegaconf import OmegaConf
 
 from emma import finished, registry
 from emma.attack import attack_records
-from emma.cache import atomic_write_text, repair_note, repairs_since, sha256_file
+from emma.cache import repair_note, repairs_since
 from emma.evidence import write_evidence
+from emma.files import atomic_write_text, sha256_file
 from emma.metrics import METRIC_VERSIONS
 from emma.metrics.timing import cpu_model
 from emma.results import CellInfo, CellResult

@@ -109,7 +109,7 @@ def _state(job: Any) -> str | None:
 
 
 def _write_report(sweep_dir: Path, entries: list[dict[str, Any]], wall_s: float) -> None:
-    from emma.cache import atomic_write_text
+    from emma.files import atomic_write_text
 
     failed = [e for e in entries if e["status"] != "completed"]
     atomic_write_text(sweep_dir / REPORT, json.dumps(
