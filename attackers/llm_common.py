@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import hydra.utils
-from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, Field
 
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest, Sample
+from emma.config import to_python
 from emma.errors import ConfigError
 from emma.metrics.base import MetricValue
 from stace import metrics as M
@@ -43,10 +43,6 @@ class PromptList(BaseModel):
     """Prompts written by an LLM baseline (each rendered on the erased model)."""
 
     prompts: list[str] = Field(min_length=1, max_length=20)
-
-
-def plain(x: Any) -> Any:
-    return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
 
 
 def clean_prompts(prompts: Sequence[str], limit: int = 300) -> list[str]:
@@ -134,12 +130,12 @@ class LLMBaselineAttacker(Attacker):
             raise ConfigError(f"attacker.images={images}: the image budget per concept must be >= 1")
         self.images = int(images)
         self.seed = int(seed)
-        self.backend = hydra.utils.instantiate(dict(plain(llm) or {}))
+        self.backend = hydra.utils.instantiate(dict(to_python(llm) or {}))
         self.backend.check_available()  # a missing key or model fails here, before any model loads
         self.settings = RoleSettings(model=model or self.backend.model, temperature=float(temperature),
                                      max_tokens=int(max_tokens or self.backend.max_tokens or 1024))
-        self.prices = {m: list(v) for m, v in dict(plain(prices) or {}).items()}
-        self.llm_budget = dict(plain(budget) or {})
+        self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
+        self.llm_budget = dict(to_python(budget) or {})
         self.prompts_dir = Path(prompts_dir) if prompts_dir else PROMPTS_DIR
         self.output_dir: Path | None = None
         self.cache_dir: Path | None = None

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import hydra.utils
-from omegaconf import DictConfig, OmegaConf
 
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest, Sample
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.metrics.base import MetricValue
 from stace.gateway import Gateway, Redactor, RoleSettings, Trace
@@ -32,10 +32,6 @@ from stace.sandbox import SandboxLimits
 from stace.tools import TOOL_ATTACKERS, ProbeTools, attacker_factory
 
 ROLES = ("task_verification", "hypothesis", "critic", "query", "code", "experience", "report", "papercard")
-
-
-def _plain(x: Any) -> Any:
-    return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
 
 
 class STACEAttacker(Attacker):
@@ -84,8 +80,8 @@ class STACEAttacker(Attacker):
                  budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
                  prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
                  tool_scale: str | None = None, replay: str | None = None) -> None:
-        llm_cfg = dict(_plain(llm) or {})
-        presets = dict(_plain(presets) or {})
+        llm_cfg = dict(to_python(llm) or {})
+        presets = dict(to_python(presets) or {})
         if preset not in presets:
             raise UnknownChoiceError("stace preset", preset, presets)
         if probe_mode not in ("auto", "code", "plan"):
@@ -95,9 +91,9 @@ class STACEAttacker(Attacker):
         self.backend = hydra.utils.instantiate(llm_cfg)
         self.backend.check_available()  # a missing key or model fails here, before any model loads
         mode = getattr(self.backend, "probe_mode", "code") if probe_mode == "auto" else probe_mode
-        temperatures = dict(_plain(temperatures) or {})
-        max_tokens = dict(_plain(max_tokens) or {})
-        overrides = dict(_plain(roles) or {})
+        temperatures = dict(to_python(temperatures) or {})
+        max_tokens = dict(to_python(max_tokens) or {})
+        overrides = dict(to_python(roles) or {})
         unknown = set(overrides) - set(ROLES)
         if unknown:
             raise UnknownChoiceError("STACE role", sorted(unknown)[0], ROLES, "attacker.roles")
@@ -113,12 +109,12 @@ class STACEAttacker(Attacker):
         self.settings = STACESettings(
             iterations=int(iterations), k=int(k), debate_rounds=int(debate_rounds), probe_mode=mode,
             max_code_repairs=int(max_code_repairs), top_k_cards=int(top_k_cards), seed=int(seed),
-            seed_hypothesis=seed_hypothesis, task=task, sandbox=SandboxLimits(**dict(_plain(sandbox) or {})))
+            seed_hypothesis=seed_hypothesis, task=task, sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
         self.preset = preset
-        self.prices = {m: list(v) for m, v in dict(_plain(prices) or {}).items()}
-        self.budget = dict(_plain(budget) or {})
+        self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
+        self.budget = dict(to_python(budget) or {})
         self.prompts_dir = Path(prompts_dir) if prompts_dir else None
-        self.tools = {str(n): dict(o or {}) for n, o in dict(_plain(tools) or {}).items()}
+        self.tools = {str(n): dict(o or {}) for n, o in dict(to_python(tools) or {}).items()}
         for name in self.tools:
             if name not in TOOL_ATTACKERS:
                 raise UnknownChoiceError("STACE tool attacker", name, TOOL_ATTACKERS, "attacker.tools")

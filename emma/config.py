@@ -10,6 +10,7 @@ file so that a misspelt key inside a YAML fails there.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -125,3 +126,17 @@ def classifier_config(cfg: DictConfig, name: str | None, domain: Any) -> DictCon
         overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
         ccfg = OmegaConf.merge(base, overrides)
     return ccfg
+
+
+def to_python(x: Any) -> Any:
+    """Plain Python of a config value: an OmegaConf container (what ``hydra.utils.instantiate``
+    passes to constructors), at any depth, becomes dicts and lists with interpolations
+    resolved; a dict, list or tuple is rebuilt (tuples as lists) around its converted items;
+    anything else is returned unchanged."""
+    if isinstance(x, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(x, resolve=True)
+    if isinstance(x, Mapping):
+        return {k: to_python(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_python(v) for v in x]
+    return x

@@ -79,7 +79,7 @@ class Classifier(abc.ABC):
         ``face_size``, ``templates``, ``exposed_classes``, ``image_size``, ``device``, ...).
         Settings that only steer :meth:`detect` (:attr:`detect_only`) are left out: the score
         cache stores ``predict`` outputs."""
-        settings = {k: _plain(v) for k, v in sorted(vars(self).items())
+        settings = {k: _json_setting(v) for k, v in sorted(vars(self).items())
                     if not k.startswith("_") and k not in self.detect_only}
         return {"name": self.name, "version": self.version, "weights": self.weights_hash(),
                 "labels": list(self.labels), "settings": {k: v for k, v in settings.items() if v is not _SKIP}}
@@ -99,15 +99,15 @@ class Classifier(abc.ABC):
 _SKIP = object()
 
 
-def _plain(v: Any) -> Any:
+def _json_setting(v: Any) -> Any:
     """A JSON-able view of a setting; objects that are not settings (models) are skipped."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (list, tuple)):
-        items = [_plain(x) for x in v]
+        items = [_json_setting(x) for x in v]
         return _SKIP if any(x is _SKIP for x in items) else items
     if isinstance(v, dict):
-        items = {str(k): _plain(x) for k, x in v.items()}
+        items = {str(k): _json_setting(x) for k, x in v.items()}
         return _SKIP if any(x is _SKIP for x in items.values()) else items
     if isinstance(v, torch.device):
         return str(v)

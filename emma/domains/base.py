@@ -17,12 +17,13 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from emma import registry
 from emma.api.domain import Concept, Domain, PromptSuite
 from emma.api.types import PromptRequest
+from emma.config import to_python
 from emma.domains.text import PREFIX_CATEGORIES, normalize
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError
 
@@ -38,13 +39,6 @@ KNOWN_CLASSIFIERS: tuple[str, ...] = (
 def _classifier_configs() -> set[str]:
     """The classifier choices of the registry (a new classifier needs no edit here)."""
     return set(registry.choices("classifier"))
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers (what ``hydra.utils.instantiate`` passes) -> plain Python."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def _concept_from(entry: str | Mapping[str, Any]) -> Concept:
@@ -288,7 +282,7 @@ def _build_suite(domain_name: str, suite: Any, suites: Mapping[str, str] | None)
     if not suites:
         raise ConfigError(f"domain {domain_name!r} lists no `suites` (suite.source -> PromptSuite "
                           "class, e.g. generated: emma.domains.generated.GeneratedSuite)")
-    cfg = dict(_plain(suite) or {})
+    cfg = dict(to_python(suite) or {})
     source = cfg.pop("source", next(iter(suites)))
     if source not in suites:
         raise UnknownChoiceError(f"suite.source of domain {domain_name!r}", source, suites)
@@ -354,9 +348,9 @@ def build_domain(
         random_pool: or from this explicit list of concepts.
         **kwargs: further :class:`EmmaDomain` arguments (``emma_dir``, ``excluded``, ...).
     """
-    concepts = _plain(concepts)
-    random_pool = _plain(random_pool)
-    kwargs = {k: _plain(v) for k, v in kwargs.items()}
+    concepts = to_python(concepts)
+    random_pool = to_python(random_pool)
+    kwargs = {k: to_python(v) for k, v in kwargs.items()}
     similar = {}
     for entry in concepts:
         if isinstance(entry, Mapping) and entry.get("similar"):
@@ -366,15 +360,15 @@ def build_domain(
     pool_concepts: list[Concept] = []
     pool_names: list[str] | None = None
     if random_from is not None:
-        other = _plain(load_domain_config(random_from))
+        other = to_python(load_domain_config(random_from))
         pool_concepts = [_concept_from(c) for c in other["concepts"]]
         pool_names = [c.name for c in pool_concepts]
     elif random_pool is not None:
         pool_concepts = [_concept_from(c) for c in random_pool]
         pool_names = [c.name for c in pool_concepts]
     return EmmaDomain(
-        name=name, version=str(version), concepts=concepts, suite=_build_suite(name, suite, _plain(suites)),
-        template=template, prefixes=_plain(prefixes), similar=similar, n_random=n_random,
+        name=name, version=str(version), concepts=concepts, suite=_build_suite(name, suite, to_python(suites)),
+        template=template, prefixes=to_python(prefixes), similar=similar, n_random=n_random,
         n_similar=n_similar, random_pool=pool_names, classifier=classifier,
         images_per_prompt=images_per_prompt, random_pool_concepts=pool_concepts,
         random_from=random_from, **kwargs,

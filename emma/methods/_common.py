@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from emma.api.domain import Domain
 from emma.api.method import OTHERS
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 
 DEFAULT_DOMAIN = "default"
@@ -28,21 +29,6 @@ STYLE_DOMAINS = ("style", "tinyworld_style")
 
 
 # --------------------------------------------------------------------------- config values
-def plain(obj: Any) -> Any:
-    """OmegaConf containers (what Hydra passes to constructors) -> plain dicts/lists."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a core dependency
-        return obj
-    if isinstance(obj, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(obj, resolve=True)
-    if isinstance(obj, Mapping):
-        return {k: plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    return obj
-
-
 def domain_name(domain: Domain | str | None) -> str | None:
     """The name per-domain hyper-parameter tables are keyed by: the Domain's name (a bare name
     is taken as is, for table look-ups outside an erasure), or ``None``."""
@@ -130,7 +116,7 @@ def check_concepts(concepts: Any, tokenizer: Any, *, method: str) -> list[str]:
     if isinstance(concepts, str):
         raise ConfigError(f"{method}: concepts must be a list of strings, got the string {concepts!r}; "
                           f"use [{concepts!r}]")
-    concepts = list(plain(concepts) or [])
+    concepts = list(to_python(concepts) or [])
     if not concepts:
         raise ConfigError(f"{method}: the concept list is empty; give at least one concept to erase, "
                           "e.g. concepts=['circle']")

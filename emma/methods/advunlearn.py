@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     autocast,
@@ -52,7 +53,6 @@ from emma.methods._common import (
     expand_others,
     for_domain,
     fp32_training,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -154,7 +154,7 @@ class AdvUnlearnMethod(ErasureMethod):
                                    (attack_init, ATTACK_INITS, "attack_init")):
             if value not in valid:
                 raise UnknownChoiceError(f"AdvUnlearn {what}", value, valid)
-        layers = plain(layers)
+        layers = to_python(layers)
         text_encoder_parameter_filter(layers, component, norm_layer)
         if int(iterations) < 0 or int(ddim_steps) < 1 or int(retain_batch) < 1 or int(adv_prompt_num) < 1 \
                 or int(attack_step) < 0 or int(adv_prompt_update_step) < 1 or int(warmup_iter) < 0:
@@ -166,8 +166,8 @@ class AdvUnlearnMethod(ErasureMethod):
             iterations=int(iterations), learning_rate=float(learning_rate), layers=layers, component=component,
             norm_layer=bool(norm_layer), negative_guidance=float(negative_guidance),
             start_guidance=float(start_guidance), ddim_steps=int(ddim_steps),
-            neutral_concepts=plain(neutral_concepts), retain_concepts=plain(retain_concepts),
-            retain_templates=plain(retain_templates), retain_batch=int(retain_batch),
+            neutral_concepts=to_python(neutral_concepts), retain_concepts=to_python(retain_concepts),
+            retain_templates=to_python(retain_templates), retain_batch=int(retain_batch),
             retain_loss_w=float(retain_loss_w), adv_prompt_num=int(adv_prompt_num), attack_type=attack_type,
             attack_space=attack_space, attack_method=attack_method, attack_step=int(attack_step),
             attack_lr=float(attack_lr), attack_weight_decay=float(attack_weight_decay), attack_init=attack_init,

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     OTHERS,
@@ -41,7 +42,6 @@ from emma.methods._common import (
     for_domain,
     fp32_training,
     generate_latents,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -140,7 +140,7 @@ class ConceptAblationMethod(ErasureMethod):
         if int(train_batch_size) < 1 or int(num_class_images) < 1:
             raise ConfigError("CA needs train_batch_size >= 1 and num_class_images >= 1")
         super().__init__(
-            loss=loss, anchor_concepts=plain(anchor_concepts), prompt_templates=plain(prompt_templates),
+            loss=loss, anchor_concepts=to_python(anchor_concepts), prompt_templates=to_python(prompt_templates),
             parameter_group=parameter_group, learning_rate=float(learning_rate), scale_lr=bool(scale_lr),
             train_batch_size=int(train_batch_size), max_train_steps=int(max_train_steps),
             num_class_images=int(num_class_images), prior_preservation=bool(prior_preservation),

@@ -31,8 +31,8 @@ import torch
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError, WeightsUnavailableError
-from emma.methods._common import plain
 
 COMPONENTS = ("unet", "text_encoder")
 KEY_MAPPINGS = ("auto", "diffusers", "ldm")
@@ -209,7 +209,7 @@ class CheckpointMethod(ErasureMethod):
             raise ConfigError("method=checkpoint needs method.path (a diffusers folder or a state-dict file)")
         if key_mapping not in KEY_MAPPINGS:
             raise UnknownChoiceError("checkpoint key_mapping", key_mapping, KEY_MAPPINGS)
-        components = plain(components)
+        components = to_python(components)
         if components is not None:
             components = [components] if isinstance(components, str) else list(components)
             for c in components:

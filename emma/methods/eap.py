@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError
 from emma.methods._common import (
     autocast,
@@ -51,7 +52,6 @@ from emma.methods._common import (
     for_concept,
     for_domain,
     fp32_training,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -73,7 +73,7 @@ def vocabulary_words(tokenizer: Any, vocabulary: Any) -> list[str]:
         vocab = tokenizer.get_vocab()
         words = [t[: -len("</w>")] for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if t.endswith("</w>")]
         return [w for w in words if _WORD.match(w)]
-    words = [str(w).strip() for w in plain(vocabulary) or []]
+    words = [str(w).strip() for w in to_python(vocabulary) or []]
     if not words or any(not w for w in words):
         raise ConfigError(f"EAP vocabulary must be 'tokenizer' or a non-empty list of words, got {vocabulary!r}")
     return list(dict.fromkeys(words))
@@ -198,13 +198,13 @@ class EAPMethod(ErasureMethod):
                               f"got {iterations}, {ddim_steps}, {k_closest}, {pgd_num_steps}")
         if float(gumbel_temp) <= 0:
             raise ConfigError(f"EAP gumbel_temp must be > 0, got {gumbel_temp}")
-        vocabulary = plain(vocabulary)
+        vocabulary = to_python(vocabulary)
         if isinstance(vocabulary, str) and vocabulary not in VOCABULARIES:
             raise ConfigError(f"EAP vocabulary {vocabulary!r}: use 'tokenizer' or a list of words")
         super().__init__(
             train_method=train_method, iterations=int(iterations), learning_rate=float(learning_rate),
             negative_guidance=float(negative_guidance), start_guidance=float(start_guidance),
-            ddim_steps=int(ddim_steps), neutral_concepts=plain(neutral_concepts), vocabulary=vocabulary,
+            ddim_steps=int(ddim_steps), neutral_concepts=to_python(neutral_concepts), vocabulary=vocabulary,
             k_closest=int(k_closest), num_centers=int(num_centers), gumbel_lr=float(gumbel_lr),
             gumbel_temp=float(gumbel_temp), gumbel_hard=bool(gumbel_hard), pgd_num_steps=int(pgd_num_steps),
             preserve_weight=float(preserve_weight),

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     autocast,
@@ -35,7 +36,6 @@ from emma.methods._common import (
     for_concept,
     for_domain,
     fp32_training,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -110,7 +110,7 @@ class ESDMethod(ErasureMethod):
         super().__init__(
             train_method=train_method, iterations=int(iterations), learning_rate=float(learning_rate),
             negative_guidance=float(negative_guidance), start_guidance=float(start_guidance),
-            ddim_steps=int(ddim_steps), sample_from=sample_from, neutral_concepts=plain(neutral_concepts),
+            ddim_steps=int(ddim_steps), sample_from=sample_from, neutral_concepts=to_python(neutral_concepts),
         )
         self.progress = bool(progress)
 

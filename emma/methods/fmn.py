@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError
 from emma.methods._common import (
     Attn2Processor,
@@ -36,7 +37,6 @@ from emma.methods._common import (
     for_domain,
     fp32_training,
     generate_latents,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -82,7 +82,7 @@ class ForgetMeNotMethod(ErasureMethod):
         if int(train_batch_size) < 1 or int(num_images) < 1:
             raise ConfigError("FMN needs train_batch_size >= 1 and num_images >= 1")
         super().__init__(
-            prompt_templates=plain(prompt_templates), only_optimize_ca=bool(only_optimize_ca),
+            prompt_templates=to_python(prompt_templates), only_optimize_ca=bool(only_optimize_ca),
             use_pooler=bool(use_pooler), learning_rate=float(learning_rate),
             max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
 from emma.methods._common import (
     Attn2Processor,
@@ -64,7 +65,6 @@ from emma.methods._common import (
     generate_latents,
     is_style_domain,
     mace_importance_weights,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -257,16 +257,16 @@ class MACEMethod(ErasureMethod):
         if int(rank) < 1 or int(num_images) < 1 or int(aug_length) < 1:
             raise ConfigError("MACE needs rank, num_images and aug_length >= 1")
         super().__init__(
-            mapping_concepts=plain(mapping_concepts), prompt_templates=plain(prompt_templates),
-            data_prompts=plain(data_prompts), num_images=int(num_images), aug_length=int(aug_length),
+            mapping_concepts=to_python(mapping_concepts), prompt_templates=to_python(prompt_templates),
+            data_prompts=to_python(data_prompts), num_images=int(num_images), aug_length=int(aug_length),
             lamb=float(lamb), all_words=bool(all_words), train_preserve_scale=float(train_preserve_scale),
-            fuse_preserve_scale=float(fuse_preserve_scale), preserve_concepts=plain(preserve_concepts),
+            fuse_preserve_scale=float(fuse_preserve_scale), preserve_concepts=to_python(preserve_concepts),
             learning_rate=float(learning_rate), max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),
             max_grad_norm=float(max_grad_norm), rank=int(rank), importance_sampling=bool(importance_sampling),
             use_pooler=bool(use_pooler), pooler=str(pooler), segmenter=segmenter,
             attention_mask_threshold=float(attention_mask_threshold), sample_steps=int(sample_steps),
-            sample_guidance=float(sample_guidance), domain_overrides=plain(domain_overrides),
+            sample_guidance=float(sample_guidance), domain_overrides=to_python(domain_overrides),
         )
         self.progress = bool(progress)
 

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     attn2_modules,
@@ -46,7 +47,6 @@ from emma.methods._common import (
     expand_others,
     for_concept,
     for_domain,
-    plain,
     require_sd_pipeline,
 )
 from emma.methods.uce import TECHNIQUES, UCEMethod, tensor_targets, uce_closed_form
@@ -142,7 +142,7 @@ class RECEMethod(ErasureMethod):
             raise ConfigError(f"RECE needs regular_scale > 0, lamb >= 0 and uce_lamb >= 0; got "
                               f"{regular_scale}, {lamb}, {uce_lamb}")
         super().__init__(
-            guide_concepts=plain(guide_concepts), preserve_concepts=plain(preserve_concepts),
+            guide_concepts=to_python(guide_concepts), preserve_concepts=to_python(preserve_concepts),
             epochs=int(epochs), lamb=float(lamb), erase_scale=float(erase_scale),
             preserve_scale=float(preserve_scale), regular_scale=float(regular_scale),
             uce_lamb=float(uce_lamb),

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     autocast,
@@ -51,7 +52,6 @@ from emma.methods._common import (
     for_domain,
     fp32_training,
     generate_latents,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -135,8 +135,8 @@ class SalUnMethod(ErasureMethod):
         if int(train_batch_size) < 1 or int(num_images) < 1 or int(epochs) < 0:
             raise ConfigError("SalUn needs train_batch_size >= 1, num_images >= 1 and epochs >= 0")
         super().__init__(
-            prompt_templates=plain(prompt_templates), pseudo_concepts=plain(pseudo_concepts),
-            retain_concepts=plain(retain_concepts), mask_ratio=float(mask_ratio),
+            prompt_templates=to_python(prompt_templates), pseudo_concepts=to_python(pseudo_concepts),
+            retain_concepts=to_python(retain_concepts), mask_ratio=float(mask_ratio),
             mask_guidance=float(mask_guidance), parameter_group=parameter_group,
             learning_rate=float(learning_rate), epochs=int(epochs), train_batch_size=int(train_batch_size),
             alpha=float(alpha), num_images=int(num_images), sample_steps=int(sample_steps),

@@ -28,8 +28,9 @@ import torch
 from emma.api.domain import Domain
 from emma.api.guidance import InferenceGuidance
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError
-from emma.methods._common import check_concepts, domain_name, for_domain, plain, require_sd_pipeline
+from emma.methods._common import check_concepts, domain_name, for_domain, require_sd_pipeline
 
 # SLD's safety concept for inappropriate content (the paper's I2P categories).
 SLD_DEFAULT_SAFETY_CONCEPT = (
@@ -129,7 +130,7 @@ class SLDMethod(ErasureMethod):
         if int(sld_warmup_steps) < 0 or not 0.0 <= float(sld_mom_beta) <= 1.0:
             raise ConfigError(f"SLD needs sld_warmup_steps >= 0 and 0 <= sld_mom_beta <= 1, got "
                               f"{sld_warmup_steps} and {sld_mom_beta}")
-        super().__init__(safety_concepts=plain(safety_concepts), sld_guidance_scale=float(sld_guidance_scale),
+        super().__init__(safety_concepts=to_python(safety_concepts), sld_guidance_scale=float(sld_guidance_scale),
                          sld_warmup_steps=int(sld_warmup_steps), sld_threshold=float(sld_threshold),
                          sld_momentum_scale=float(sld_momentum_scale), sld_mom_beta=float(sld_mom_beta))
 

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError
 from emma.methods._common import (
     autocast,
@@ -50,7 +51,6 @@ from emma.methods._common import (
     encode_text,
     for_domain,
     fp32_training,
-    plain,
     randint,
     randn,
     require_sd_pipeline,
@@ -227,7 +227,7 @@ class SPMMethod(ErasureMethod):
             lr_warmup_steps=int(lr_warmup_steps), lr_num_cycles=int(lr_num_cycles),
             max_denoising_steps=int(max_denoising_steps), start_guidance=float(start_guidance),
             guidance_scale=float(guidance_scale), la_strength=float(la_strength),
-            sampling_batch_size=int(sampling_batch_size), neutral_concepts=plain(neutral_concepts),
+            sampling_batch_size=int(sampling_batch_size), neutral_concepts=to_python(neutral_concepts),
         )
         self.progress = bool(progress)
         self.adapters: list[SPMAdapter] = []

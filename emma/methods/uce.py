@@ -25,6 +25,7 @@ import torch
 
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
+from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     attn2_modules,
@@ -32,7 +33,6 @@ from emma.methods._common import (
     for_concept,
     for_domain,
     is_style_domain,
-    plain,
     require_sd_pipeline,
 )
 
@@ -116,7 +116,7 @@ class UCEMethod(ErasureMethod):
         if float(lamb) < 0:
             raise ConfigError(f"UCE lamb must be >= 0, got {lamb}")
         super().__init__(
-            guide_concepts=plain(guide_concepts), preserve_concepts=plain(preserve_concepts),
+            guide_concepts=to_python(guide_concepts), preserve_concepts=to_python(preserve_concepts),
             erase_scale=float(erase_scale),
             preserve_scale=None if preserve_scale is None else float(preserve_scale),
             lamb=float(lamb), with_to_k=bool(with_to_k), technique=technique, add_prompts=bool(add_prompts),
