@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from emma.errors import EmmaError
 from emma.files import atomic_write_text
 from emma.metrics.base import MetricValue
 
@@ -22,6 +23,35 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|authorization)", re.I)
 REDACTED = "***"
+
+
+class ResultsFileError(EmmaError, ValueError):
+    """A results.json this harness cannot read: not JSON, or a schema version it does not know."""
+
+
+def check_schema_version(data: Any, where: str = "results.json") -> int:
+    """The schema version of a results.json dict, or :class:`ResultsFileError` naming the
+    versions this harness reads (:data:`READABLE_SCHEMA_VERSIONS`)."""
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise ResultsFileError(
+            f"{where}: schema_version {version!r} is unknown; this harness reads schema versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))} (re-run the cell, or read the file with "
+            "the harness that wrote it)")
+    return int(version)
+
+
+def read_results_json(path: str | Path) -> dict[str, Any]:
+    """The dict of one results.json, its schema version checked: what every reader of result
+    files (:meth:`CellResult.load`, the leaderboards) goes through, so all accept the same
+    versions. Raises :class:`ResultsFileError` naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: invalid JSON or text
+        raise ResultsFileError(f"{path}: not a readable results.json ({err})") from None
+    check_schema_version(data, str(path))
+    return data
 
 
 @dataclasses.dataclass
@@ -79,10 +109,7 @@ class CellResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "CellResult":
-        version = data.get("schema_version")
-        if version not in READABLE_SCHEMA_VERSIONS:
-            raise ValueError(f"results.json schema_version {version!r}; this harness reads "
-                             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+        version = check_schema_version(data)
         fields = {f.name for f in dataclasses.fields(MetricValue)}
         for key, v in data.get("metrics", {}).items():
             unknown = set(v) - fields
@@ -100,12 +127,12 @@ class CellResult:
             counts=data["counts"],
             notes=list(data.get("notes", [])),
             provenance=dict(data.get("provenance", {})),
-            schema_version=int(version),
+            schema_version=version,
         )
 
     @classmethod
     def load(cls, path: str | Path) -> "CellResult":
-        return cls.from_json(json.loads(Path(path).read_text()))
+        return cls.from_json(read_results_json(path))
 
 
 def redact(obj: Any) -> Any:

@@ -15,9 +15,7 @@ from typing import Any, Iterable
 
 from emma.cache import stable_hash
 from emma.errors import EmmaError
-from emma.results import SCHEMA_VERSION
-
-READABLE_SCHEMAS = (SCHEMA_VERSION,)
+from emma.results import ResultsFileError, read_results_json
 
 
 class LeaderboardError(EmmaError):
@@ -97,15 +95,9 @@ def method_config(data: dict[str, Any]) -> str:
 def parse_results(path: Path) -> Cell:
     """One results.json -> :class:`Cell`, or a :class:`LeaderboardError` naming the file."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise LeaderboardError(f"{path}: not a readable results.json ({err})") from None
-    version = data.get("schema_version")
-    if version not in READABLE_SCHEMAS:
-        raise LeaderboardError(
-            f"{path}: results.json schema_version {version!r} is unknown; this leaderboard reads "
-            f"schema version(s) {', '.join(map(str, READABLE_SCHEMAS))}. Rebuild with the harness "
-            "that wrote it, or re-run the cell.")
+        data = read_results_json(path)
+    except ResultsFileError as err:
+        raise LeaderboardError(str(err)) from None
     missing = {"cell", "metrics", "versions"} - set(data)
     if missing:
         raise LeaderboardError(f"{path}: results.json lacks {sorted(missing)}")
