@@ -5,8 +5,8 @@ given); an image's probabilities are the softmax of ``logit_scale * cos(image, t
 the labels (CLIP's own zero-shot rule, logit scale 100 for OpenAI CLIP). A concept is
 detected when its label is the top-1 and its probability is at least ``threshold``.
 
-The same image tower serves as the CLIP embedder of the bias metric
-(:meth:`CLIPZeroShotClassifier.embed_images`).
+The same image tower serves as the CLIP embedding of the bias metric (:func:`image_embedding`,
+which ``conf/metrics``' ``bias.similarity.embedding`` names).
 
 Weights: OpenAI CLIP TorchScript archives (``clip_vit_l14_openai``, ``clip_vit_b32_openai``)
 load into open_clip's architecture of the same name with QuickGELU, as open_clip does for its
@@ -17,7 +17,7 @@ vocabulary ships with open_clip, so tokenisation works offline.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +176,11 @@ class CLIPZeroShotClassifier(OpenVocabularyMixin, PretrainedClassifier):
             "templates": list(self.templates),
             "labels": list(self.labels),
         }
+
+
+def image_embedding(**kwargs: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """CLIP's L2-normalised image embedding as a function of images (``(N, 3, H, W)`` in
+    [0, 1] -> ``(N, D)``): the bias metric's CLIP similarity, bound by
+    ``metrics.bias.similarity.embedding``. ``kwargs`` go to :class:`CLIPZeroShotClassifier`
+    (``arch``, ``weights``, ``device``, ...)."""
+    return CLIPZeroShotClassifier(**kwargs).embed_images

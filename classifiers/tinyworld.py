@@ -84,6 +84,7 @@ class TinyWorldClassifier(Classifier):
 
     name = "tinyworld"
     version = "1"
+    has_features = True  # the tiny world's FID and bias similarity are computed in these
 
     def __init__(
         self,

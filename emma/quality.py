@@ -10,7 +10,11 @@
   change (see :mod:`emma.metrics.bias`). EMMA's sets are gender (male reference) and
   ethnicity (White reference). The tiny world has no people; its set is *colour*: neutral
   "an image of a star" vs "an image of a red star" (reference) and "... blue star", with
-  SSIM and the tiny-world judge's features as the two similarities.
+  SSIM and the tiny-world judge's features as the two similarities. Elsewhere the second
+  similarity is the embedding ``metrics.bias.similarity`` binds (CLIP's image tower).
+
+This module reaches judges through the Classifier role only (``has_features``, ``features``);
+the embedding comes from the configuration, not from an import of an implementation.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.types import PromptRequest
 from emma.datasets.bias import BiasPromptSet
@@ -35,10 +40,10 @@ def bias_sets(domain: Domain, attributes: Sequence[str] | None, seed: int) -> li
     return [domain.bias_prompt_set(a, seed=seed) for a in chosen]
 
 
-def judged_in_feature_space(domain: Domain, judge: Any) -> bool:
+def judged_in_feature_space(domain: Domain, judge: Classifier) -> bool:
     """A domain that renders its own references (the tiny world) is compared in its judge's
     feature space, where no Inception or CLIP weights exist."""
-    return bool(domain.reference_name) and hasattr(judge, "features")
+    return bool(domain.reference_name) and judge.has_features
 
 
 def render_groups(generator: CachedGenerator, bias_set: BiasPromptSet, images_per_prompt: int,
@@ -56,21 +61,37 @@ def render_groups(generator: CachedGenerator, bias_set: BiasPromptSet, images_pe
     return out
 
 
-def similarities(domain: Domain, judge: Any, notes: list[str]) -> list[Any]:
-    """SSIM plus an embedding cosine: the tiny-world judge's features, or CLIP."""
+def similarities(domain: Domain, judge: Classifier, notes: list[str], similarity: Any = None) -> list[Any]:
+    """SSIM plus an embedding cosine: the judge's own features where the domain is judged in
+    them (the tiny world), else the embedding ``similarity`` binds.
+
+    Args:
+        similarity: ``metrics.bias.similarity``: ``{name, embedding}``, ``embedding`` a
+            ``_target_`` that returns a function ``images -> (N, D)``, ``name`` the
+            similarity's name in the metric keys (``clip``); ``None``: SSIM only.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
     from emma.errors import WeightsUnavailableError
 
     sims: list[Any] = [SSIMSimilarity()]
     if judged_in_feature_space(domain, judge):
         sims.append(CLIPSimilarity(judge.features, name="features"))
         return sims
+    if similarity is None:
+        return sims
+    name = str(similarity["name"])
     try:
-        from classifiers.clip_zero_shot import CLIPZeroShotClassifier
-
-        clip = CLIPZeroShotClassifier()
-        sims.append(CLIPSimilarity(clip.embed_images, name="clip"))
-    except (WeightsUnavailableError, ImportError) as err:  # weights or package absent: report, keep SSIM
-        notes.append(f"bias: CLIP similarity skipped ({type(err).__name__}: {str(err).splitlines()[0]})")
+        embed = instantiate(similarity["embedding"])
+    except (InstantiationException, WeightsUnavailableError, ImportError) as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) else err  # Hydra wraps the target's error
+        if not isinstance(cause, (WeightsUnavailableError, ImportError)):
+            raise
+        # weights or package absent: report, keep SSIM
+        notes.append(f"bias: {name} similarity skipped ({type(cause).__name__}: {str(cause).splitlines()[0]})")
+        return sims
+    sims.append(CLIPSimilarity(embed, name=name))
     return sims
 
 

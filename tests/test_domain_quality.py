@@ -4,6 +4,7 @@ Domain API: a new domain brings its own without any domain-name branch in the ce
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from emma import quality
@@ -19,6 +20,8 @@ class _Names(PromptSuite):
 
 class _Judge:
     """Features = per-channel means and standard deviations (6 numbers), independent of any model."""
+
+    has_features = True
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         x = images.float()
@@ -96,3 +99,79 @@ def test_tiny_world_references_are_the_suite_concepts():
     imgs = tiny.reference_images(["circle", "star"], 2, seed=0)
     assert imgs.shape[:2] == (2, 3) and imgs.dtype == torch.float32 and 0 <= imgs.min() <= imgs.max() <= 1
     assert not torch.equal(imgs[0], imgs[1])
+
+
+class _Featureless(_Judge):
+    has_features = False
+
+
+def _channel_means(**_: object):
+    """A test embedding bound by a similarity config: per-channel means."""
+    return lambda images: images.float().mean(dim=(2, 3))
+
+
+def _no_weights(**_: object):
+    from emma.errors import WeightsUnavailableError
+
+    raise WeightsUnavailableError("weights 'x' are not usable here: missing\nsecond line")
+
+
+def _broken(**_: object):
+    raise RuntimeError("a bug")
+
+
+def _similarity(target: str) -> dict:
+    return {"name": "means", "embedding": {"_target_": f"tests.test_domain_quality.{target}"}}
+
+
+def test_bias_similarities_use_the_judge_features_or_the_configured_embedding():
+    squares, plain = _squares(), Domain(name="o", version="1", concepts=["a"], suite=_Names())
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    notes: list[str] = []
+    # a domain judged in its judge's feature space: SSIM and the judge's features, no embedding built
+    sims = quality.similarities(squares, _Judge(), notes, _similarity("_broken"))
+    assert [s.name for s in sims] == ["ssim", "features"]
+    torch.testing.assert_close(sims[1].embedder(images), _Judge().features(images))
+    # elsewhere (or a judge without features): the embedding the configuration binds
+    for domain, judge in ((plain, _Judge()), (squares, _Featureless())):
+        sims = quality.similarities(domain, judge, notes, _similarity("_channel_means"))
+        assert [s.name for s in sims] == ["ssim", "means"]
+        torch.testing.assert_close(sims[1].embedder(images), images.mean(dim=(2, 3)))
+    assert [s.name for s in quality.similarities(plain, _Judge(), notes, None)] == ["ssim"]
+    assert notes == []
+    # weights that are not here: SSIM only, and a note that says why
+    assert [s.name for s in quality.similarities(plain, _Judge(), notes, _similarity("_no_weights"))] == ["ssim"]
+    assert notes == ["bias: means similarity skipped (WeightsUnavailableError: weights 'x' are not usable here: "
+                     "missing)"]
+    # any other failure is a bug, not a note
+    with pytest.raises(Exception, match="a bug"):
+        quality.similarities(plain, _Judge(), notes, _similarity("_broken"))
+
+
+def test_feature_space_is_a_declared_capability_of_the_classifier_role():
+    from classifiers.tinyworld import TinyWorldClassifier
+    from emma.api.classifier import Classifier
+
+    class Plain(Classifier):
+        name = "plain"
+        labels = ("a",)
+
+        def predict(self, images):
+            return torch.ones(len(images), 1)
+
+    assert Classifier.has_features is False and TinyWorldClassifier.has_features is True
+    with pytest.raises(NotImplementedError, match="classifier 'plain' has no feature space"):
+        Plain().features(torch.zeros(1, 3, 8, 8))
+    assert not quality.judged_in_feature_space(_squares(), Plain())
+
+
+def test_the_default_bias_similarity_is_clip_bound_in_the_configuration():
+    from omegaconf import OmegaConf
+
+    from emma import registry
+
+    assert registry.choices("metrics") == ["default", "rates_only"]
+    for name in registry.choices("metrics"):
+        cfg = registry.load("metrics", name)
+        assert OmegaConf.to_container(cfg.bias.similarity) == {
+            "name": "clip", "embedding": {"_target_": "classifiers.clip_zero_shot.image_embedding"}}

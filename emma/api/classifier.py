@@ -19,11 +19,15 @@ class Classifier(abc.ABC):
 
     Subclasses set ``name``, ``version`` (bumped on any change that moves numbers) and
     ``labels``, implement :meth:`predict`, and may override :meth:`detect` when the decision
-    rule is not "probability of the concept's label >= threshold".
+    rule is not "probability of the concept's label >= threshold". A judge with a feature
+    space of its own sets :attr:`has_features` and implements :meth:`features`.
     """
 
     name: ClassVar[str] = "classifier"
     version: ClassVar[str] = "0"
+    #: whether :meth:`features` is implemented: on a domain that renders its own FID
+    #: references (the tiny world), FID and the bias similarity are computed in these features
+    has_features: ClassVar[bool] = False
 
     def __init__(self, threshold: float = 0.5, aliases: dict[str, str] | None = None) -> None:
         self.threshold = float(threshold)
@@ -40,6 +44,11 @@ class Classifier(abc.ABC):
     @abc.abstractmethod
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         """Probabilities ``(N, len(labels))`` for float images ``(N, 3, H, W)`` in [0, 1]."""
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """Image features ``(N, D)`` of float images ``(N, 3, H, W)`` in [0, 1] (judges with
+        :attr:`has_features`)."""
+        raise NotImplementedError(f"classifier '{self.name}' has no feature space (has_features is False)")
 
     def weights_hash(self) -> str | None:
         """sha256 of the weights in use, recorded in results (``None`` for random init)."""

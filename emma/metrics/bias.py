@@ -172,8 +172,8 @@ class CLIPSimilarity:
 
     Args:
         embedder: ``(N, 3, H, W) [0, 1] -> (N, D)`` image embeddings, e.g.
-            ``CLIPZeroShotClassifier(...).embed_images``; on the tiny world, the tiny-world
-            classifier's ``features``.
+            what ``metrics.bias.similarity.embedding`` binds (CLIP's image embedding); on the
+            tiny world, the tiny-world classifier's ``features``.
         name: the similarity's name in results (``clip``).
     """
 

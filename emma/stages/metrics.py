@@ -59,7 +59,7 @@ def quality_metrics(ctx: CellContext) -> None:
         ipp = int(bias.images_per_prompt)
         erased = {b.attribute: quality.render_groups(ctx.generator, b, ipp, "bias: erased") for b in ctx.bias_sets}
         ctx.metrics.update(quality.bias_metrics(
-            ctx.base_bias, erased, ctx.bias_sets, quality.similarities(ctx.domain, judge, ctx.notes),
+            ctx.base_bias, erased, ctx.bias_sets, quality.similarities(ctx.domain, judge, ctx.notes, bias.similarity),
             int(bias.n_resamples), ctx.seed, pairing=str(bias.get("pairing", "paired")), images_per_prompt=ipp))
         for label, imgs in (("base", ctx.base_bias), ("erased", erased)):
             ctx.extra_lines += quality.bias_sample_lines(imgs, ctx.bias_sets, ipp, label)
