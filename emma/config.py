@@ -1,4 +1,5 @@
-"""Structured-config schemas, registered with Hydra's ConfigStore.
+"""Structured-config schemas (registered with Hydra's ConfigStore by :func:`emma.registry.register_configs`), and
+the conversion of config values to plain Python (:func:`to_python`).
 
 The root schema makes an unknown top-level key fail at compose time; ``ModelConfig`` does
 the same for every file in ``conf/model``. Component groups (method, attacker, classifier,
@@ -13,12 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
-
-from emma import registry
-from emma.errors import UnknownChoiceError
-from emma.model_config import ModelConfig
 
 
 @dataclasses.dataclass
@@ -65,67 +61,6 @@ class RunConfig:
     prompt_types: Optional[list[str]] = None
     threads: Optional[int] = None
     overwrite: bool = False
-
-
-_DOMAINS: dict[str, Any] = {}
-
-
-def build_domain(domain_cfg: DictConfig) -> Any:
-    """The Domain a ``conf/domain`` node builds (cached per config: suites read files)."""
-    import hydra
-
-    key = OmegaConf.to_yaml(domain_cfg)
-    if key not in _DOMAINS:
-        _DOMAINS[key] = hydra.utils.instantiate(domain_cfg, _convert_="all")
-    return _DOMAINS[key]
-
-
-def other_concepts(domain: str, _root_: DictConfig) -> ListConfig:
-    """``${emma.other_concepts:tinyworld}``: every concept of domain ``domain`` except the
-    cell's concept (the domain's default concept when ``concept`` is null).
-
-    Presets use it for the concepts a method preserves or contrasts with, so that one preset
-    serves every concept of a domain. The resolved list shows in ``--cfg job`` and
-    results.json, and is hashed into the erased-model cache key with the method's config.
-    """
-    if _root_.domain.get("name") == domain:
-        dcfg = _root_.domain
-    else:
-        dcfg = registry.load("domain", domain, what="domain (in ${emma.other_concepts:...})")
-    built = build_domain(dcfg)
-    concept = _root_.get("concept")
-    if concept is None and _root_.domain.get("name") == domain:
-        concept = built.default_concept
-    if concept is not None:
-        try:
-            concept = built.concept(concept).name
-        except UnknownChoiceError:
-            pass  # the cell's own concept check reports it
-    return ListConfig([c for c in built.concepts if c != concept])
-
-
-def register_configs() -> None:
-    if not OmegaConf.has_resolver("emma.other_concepts"):
-        OmegaConf.register_new_resolver("emma.other_concepts", other_concepts)
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="paths", name="paths_schema", node=PathsConfig)
-
-
-def classifier_config(cfg: DictConfig, name: str | None, domain: Any) -> DictConfig:
-    """The classifier config: the ``classifier`` group's choice, or — when that choice is
-    ``auto`` — the file ``conf/classifier/<name>.yaml`` the domain asks for, with keys added
-    on the command line (``+classifier.threshold=0.6``) merged in."""
-    ccfg = cfg.classifier
-    if ccfg.get("_target_") is None:
-        if name == "auto" or name not in registry.choices("classifier"):
-            valid = [c for c in registry.choices("classifier") if c != "auto"]
-            raise UnknownChoiceError(f"classifier (asked for by domain '{domain.name}')", str(name), valid)
-        base = registry.load("classifier", name)
-        overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
-        ccfg = OmegaConf.merge(base, overrides)
-    return ccfg
 
 
 def to_python(x: Any) -> Any:

@@ -188,6 +188,80 @@ def build(group: str, name: str, *, scale: str | None = None,
         raise ConfigError(f"{group} {name!r} ({config_path(group, name)}) cannot be built: {first}") from None
 
 
+# --------------------------------------------------------------------------- what conf/ resolves
+_DOMAINS: dict[str, Any] = {}
+
+
+def build_domain(domain_cfg: DictConfig) -> Any:
+    """The Domain a ``conf/domain`` node builds (cached per config: suites read files)."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    key = OmegaConf.to_yaml(domain_cfg)
+    if key not in _DOMAINS:
+        _DOMAINS[key] = hydra.utils.instantiate(domain_cfg, _convert_="all")
+    return _DOMAINS[key]
+
+
+def other_concepts(domain: str, _root_: DictConfig) -> Any:
+    """``${emma.other_concepts:tinyworld}``: every concept of domain ``domain`` except the
+    cell's concept (the domain's default concept when ``concept`` is null).
+
+    Presets use it for the concepts a method preserves or contrasts with, so that one preset
+    serves every concept of a domain. The resolved list shows in ``--cfg job`` and
+    results.json, and is hashed into the erased-model cache key with the method's config.
+    """
+    from omegaconf import ListConfig
+    if _root_.domain.get("name") == domain:
+        dcfg = _root_.domain
+    else:
+        dcfg = load("domain", domain, what="domain (in ${emma.other_concepts:...})")
+    built = build_domain(dcfg)
+    concept = _root_.get("concept")
+    if concept is None and _root_.domain.get("name") == domain:
+        concept = built.default_concept
+    if concept is not None:
+        try:
+            concept = built.concept(concept).name
+        except UnknownChoiceError:
+            pass  # the cell's own concept check reports it
+    return ListConfig([c for c in built.concepts if c != concept])
+
+
+def register_configs() -> None:
+    """Register what conf/ needs before Hydra composes it: the ``${emma.other_concepts:...}``
+    resolver and the structured-config schemas (:mod:`emma.config`)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from emma.config import PathsConfig, RunConfig
+    from emma.model_config import ModelConfig
+
+    if not OmegaConf.has_resolver("emma.other_concepts"):
+        OmegaConf.register_new_resolver("emma.other_concepts", other_concepts)
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="paths", name="paths_schema", node=PathsConfig)
+
+
+def classifier_config(cfg: DictConfig, name: str | None, domain: Any) -> DictConfig:
+    """The classifier config: the ``classifier`` group's choice, or — when that choice is
+    ``auto`` — the file ``conf/classifier/<name>.yaml`` the domain asks for, with keys added
+    on the command line (``+classifier.threshold=0.6``) merged in."""
+    from omegaconf import OmegaConf
+    ccfg = cfg.classifier
+    if ccfg.get("_target_") is None:
+        if name == "auto" or name not in choices("classifier"):
+            valid = [c for c in choices("classifier") if c != "auto"]
+            raise UnknownChoiceError(f"classifier (asked for by domain '{domain.name}')", str(name), valid)
+        base = load("classifier", name)
+        overrides = {k: v for k, v in OmegaConf.to_container(ccfg).items() if k != "name"}
+        ccfg = OmegaConf.merge(base, overrides)
+    return ccfg
+
+
+
 # --------------------------------------------------------------------------- whole cells
 def searchpath_override() -> list[str]:
     """The Hydra override that adds the include folders to Hydra's config search path
@@ -203,8 +277,6 @@ def hydra_context() -> Iterator[None]:
     """Hydra's global state set to conf/ (a no-op inside a running Hydra app, which has it)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    from emma.config import register_configs
 
     register_configs()
     activate_includes()

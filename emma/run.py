@@ -22,8 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from emma import registry
-from emma.config import register_configs
 from emma.errors import EmmaError, UnknownChoiceError
+from emma.registry import register_configs
 from emma.validate import (
     check_output_dir,
     check_output_dirs,

@@ -366,7 +366,7 @@ def _check_domain_and_classifier(cfg: DictConfig, out: list[Violation]) -> None:
     if classifier is None:
         return
     if _get(classifier, "_target_") is None:  # auto: the domain's judge(s) with the overrides merged
-        from emma.config import classifier_config
+        from emma.registry import classifier_config
 
         names = {domain.classifier, *(v for m in getattr(domain, "classifier_overrides", {}).values()
                                       for v in m.values())}

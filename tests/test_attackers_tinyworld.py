@@ -27,7 +27,7 @@ def compose(*overrides: str):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from emma.config import register_configs
+    from emma.registry import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()

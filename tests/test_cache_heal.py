@@ -16,7 +16,7 @@ from PIL import Image
 
 from emma.cache import ImageCache, ScoreCache, pixel_hash, repair_mark, repairs_since
 from emma.cell import run_cell
-from emma.config import register_configs
+from emma.registry import register_configs
 from tests.conftest import ROOT
 
 CELL = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", "method=uce",

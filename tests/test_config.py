@@ -16,10 +16,9 @@ from emma.api.attacker import Attacker
 from emma.api.classifier import Classifier
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
-from emma.config import register_configs
 from emma.errors import WeightsUnavailableError
 from emma.pipelines import load_pipeline
-from emma.registry import GROUPS
+from emma.registry import GROUPS, register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()

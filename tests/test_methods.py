@@ -209,7 +209,7 @@ def test_methods_read_no_config_file():
 
     for path in sorted(Path(emma.methods.__file__).parent.glob("*.py")):
         text = path.read_text()
-        assert not [w for w in ("emma.config", "CONF_DIR", "OmegaConf.load", "conf/domain") if w in text], path.name
+        assert not [w for w in ("emma.registry", "CONF_DIR", "OmegaConf.load", "conf/domain") if w in text], path.name
 
 
 def test_erase_cached_keys_the_domain_by_its_name(base, tmp_path):

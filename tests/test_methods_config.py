@@ -167,7 +167,7 @@ def test_paper_defaults_of_eap_and_advunlearn():
 
 @pytest.mark.parametrize("name", ["rece", "salun", "spm", "eap", "advunlearn"])
 def test_tiny_presets_apply_on_the_tiny_models_only(name):
-    from emma.config import register_configs
+    from emma.registry import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

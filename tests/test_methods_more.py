@@ -231,7 +231,7 @@ def test_sld_cell_records_inference_time_guidance(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from emma.cell import run_cell
-    from emma.config import register_configs
+    from emma.registry import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -364,7 +364,7 @@ def test_sd14_configs_erase_a_tiny_sd_of_the_same_classes(base, tmp_path, name):
     from hydra import compose, initialize_config_dir
 
     from emma.cell import run_cell
-    from emma.config import register_configs
+    from emma.registry import register_configs
 
     register_configs()
     folder = tmp_path / "sd14-like"

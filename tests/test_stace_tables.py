@@ -80,7 +80,7 @@ def test_paper_experiments_compose_and_every_task_is_a_concept_of_its_domain():
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from emma.config import register_configs
+    from emma.registry import register_configs
     from tests.conftest import ROOT
 
     conf = ROOT / "conf"

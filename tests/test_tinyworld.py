@@ -171,7 +171,7 @@ def test_default_cell_measures_the_base_model(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_dir
 
     from emma.cell import run_cell
-    from emma.config import register_configs
+    from emma.registry import register_configs
 
     monkeypatch.setenv("EMMA_CACHE", str(tmp_path / "cache"))
     register_configs()

@@ -39,8 +39,8 @@ class Judges:
         import hydra
 
         from emma.cache import ClassifierScoreCache
-        from emma.config import classifier_config
         from emma.generate import Judge
+        from emma.registry import classifier_config
 
         if name not in self._judges:
             ccfg = classifier_config(self.cfg, name, self.domain)
