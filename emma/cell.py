@@ -1,20 +1,43 @@
 """One cell: (model, method, domain, concept, attacker, seeds) -> results.json + samples.jsonl.
 
-A cell is :func:`emma.stages.setup` followed by the stages of :data:`emma.stages.STAGES`
-(load, bias of the base model, erase, suite, attack, metrics, record), each with its own
-cache; a killed cell run again picks up every finished image, score, erased model and attack.
+A cell is :func:`emma.stages.setup.setup` followed by the stages of :data:`STAGES`, each
+with its own cache; a killed cell run again picks up every finished image, score, erased
+model and attack.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig
 
 from emma import finished
 from emma.results import CellResult
-from emma.stages import STAGES, CellContext, setup
+from emma.stages.attack import attack
+from emma.stages.context import CellContext
+from emma.stages.erasure import erase
+from emma.stages.metrics import draw_base_bias, quality_metrics, rate_metrics, timing_metrics
+from emma.stages.model import load_model
+from emma.stages.record import record
+from emma.stages.setup import setup
+from emma.stages.suite import draw_suite
+
+Stage = Callable[[CellContext], None]
+
+#: The stages of a cell after :func:`~emma.stages.setup.setup`, in order.
+STAGES: tuple[Stage, ...] = (
+    load_model,       # base pipeline, fingerprint; the attacker refuses what it cannot attack
+    draw_base_bias,   # bias images of the base model (the erase stage edits the pipeline in place)
+    erase,            # erased model (cached), or an inference-time guidance
+    draw_suite,       # EA/RA prompts drawn and judged (cached per image)
+    attack,           # the attacker on the EA prompts (cached per request)
+    rate_metrics,     # EA, RA, ASR and the attacker's own metrics
+    quality_metrics,  # FID, bias
+    timing_metrics,   # unlearning and inference time
+    record,           # results.json, samples.jsonl, evidence; stored under the finished key
+)
 
 
 def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:

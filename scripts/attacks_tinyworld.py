@@ -79,9 +79,9 @@ def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path
     """Per method: columns of (original, adversarial) pairs on the erased model, same seed."""
     from PIL import Image
 
-    from emma.stages import setup
     from emma.stages.erasure import erase
     from emma.stages.model import load_model
+    from emma.stages.setup import setup
 
     lines, strips = [], []
     for method in dict.fromkeys(r["method"] for r in rows):

@@ -119,9 +119,9 @@ def make_target(method: str, overrides: list[str], cache: Path,
     """The cell's attack target for ``method`` erasing ``concept`` on the tiny world, with its
     own cache, and the concept's EA requests."""
     from emma import registry
-    from emma.stages import attack_target, setup
     from emma.stages.erasure import erase
-    from emma.stages.model import load_model
+    from emma.stages.model import attack_target, load_model
+    from emma.stages.setup import setup
 
     cfg = registry.compose([f"method={method}", f"concept={concept}", f"paths.cache_dir={cache}", *overrides])
     ctx = setup(cfg, lookup=False)

@@ -61,10 +61,10 @@ def test_a_cli_cell_is_composed_validated_and_looked_up_once(tmp_path, monkeypat
 def test_stages_give_the_cell_that_run_cell_gives(tmp_path, monkeypatch):
     """Callers that need part of a cell run the stages themselves: setup + load_model + erase
     gives the erased model whose generator the suite stage draws with."""
-    from emma.cell import run_cell
-    from emma.stages import STAGES, setup
+    from emma.cell import STAGES, run_cell
     from emma.stages.erasure import erase
     from emma.stages.model import load_model
+    from emma.stages.setup import setup
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = registry.compose([*FAST, "method=uce", f"paths.cache_dir={tmp_path / 'cache'}",
