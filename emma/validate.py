@@ -35,6 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from emma import registry
 from emma.api.types import EA_TYPES, RA_TYPES
+from emma.config import to_python
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError
 
 #: Upper bounds that keep a typo (``images_per_prompt=1000000000``) from eating the machine.
@@ -156,12 +157,6 @@ def _get(node: Any, key: str, default: Any = None) -> Any:
         return default
 
 
-def _plain(node: Any) -> Any:
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
-
-
 # --------------------------------------------------------------------------- sections
 def _check_missing(cfg: DictConfig, out: list[Violation]) -> None:
     """``???`` values; ``method=checkpoint`` without a path gets its own message."""
@@ -195,7 +190,7 @@ def _check_root(cfg: DictConfig, out: list[Violation]) -> None:
     ipp = _get(cfg, "images_per_prompt")
     if ipp is not None:
         _int_in(out, "images_per_prompt", ipp, 1, MAX_IMAGES_PER_PROMPT, " or null (the domain's default)")
-    types = _plain(_get(cfg, "prompt_types"))
+    types = to_python(_get(cfg, "prompt_types"))
     if types is not None:
         if not isinstance(types, list) or not types:
             out.append(Violation("prompt_types", types, f"a non-empty list of {', '.join(PROMPT_TYPES)}, "
@@ -262,7 +257,7 @@ def _check_metrics(metrics: Any, out: list[Violation]) -> None:
         _int_in(out, "metrics.fid.n_ref", _get(fid, "n_ref"), 2, 1_000_000, " (a covariance needs 2)")
         _int_in(out, "metrics.fid.reference_seed", _get(fid, "reference_seed"), 0, MAX_SEED)
     if bias is not None:
-        attrs = _plain(_get(bias, "attributes"))
+        attrs = to_python(_get(bias, "attributes"))
         if attrs is not None:
             if not isinstance(attrs, list) or not attrs:
                 out.append(Violation("metrics.bias.attributes", attrs,
@@ -328,7 +323,7 @@ def _check_component(group: str, node: Any, out: list[Violation]) -> None:
     """Keys of a ``_target_`` node against the constructor's parameters, then value bounds."""
     if node is None:
         return
-    plain = _plain(node)
+    plain = to_python(node)
     target = plain.get("_target_") if isinstance(plain, dict) else None
     if target:
         params, err = _target_params(target)
