@@ -339,14 +339,3 @@ def _summary(path: Path) -> str:
         if text and not text.startswith("#"):
             break
     return ""
-
-
-def read_text(group: str, name: str) -> str:
-    """The text of a group's file (a domain's YAML for suites that read it as data)."""
-    return config_path(group, name).read_text(encoding="utf-8")
-
-
-def tree_files() -> list[Path]:
-    """Every config folder's root (the shipped one and the includes): the finished-cell key
-    hashes their content, so editing any config re-runs the cells it feeds."""
-    return conf_dirs()
