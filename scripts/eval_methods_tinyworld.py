@@ -99,24 +99,18 @@ def grid_prompts(concept: str) -> list[str]:
 
 def sample_row(method: str, concept: str, cache_dir: str | Path, seed: int = 0) -> torch.Tensor:
     """One grid row (grid_prompts, seeds 0..7) drawn by the model ``method`` erases ``concept``
-    from (the erased model comes from the cache the evaluation filled; a missing or stale entry
-    is erased again, with gradients on, since the training methods need them)."""
-    import hydra
+    from, through the cell's own stages (the erased model comes from the cache the evaluation
+    filled; a missing or stale entry is erased again)."""
+    from emma.stages.erasure import erase
+    from emma.stages.model import load_model
+    from emma.stages.setup import setup
 
-    from emma.erase import erase_cached
-    from emma.pipelines import fingerprint, load_pipeline
-
-    cfg = compose([f"method={method}", f"concept={concept}", f"seed={seed}"])
-    pipe = load_pipeline(cfg.model)
-    erase_cached(pipe, hydra.utils.instantiate(cfg.method, _convert_="all"), [concept], cache_dir,
-                 base_fingerprint=fingerprint(pipe), domain=hydra.utils.instantiate(cfg.domain, _convert_="all"),
-                 seed=seed)
+    ctx = setup(compose([f"method={method}", f"concept={concept}", f"seed={seed}", f"paths.cache_dir={cache_dir}"]),
+                lookup=False)
+    load_model(ctx)
+    erase(ctx)
     prompts = grid_prompts(concept)
-    gens = [torch.Generator("cpu").manual_seed(i) for i in range(len(prompts))]
-    with torch.no_grad():
-        images = pipe(prompts, generator=gens, output_type="pt", num_inference_steps=cfg.model.num_inference_steps,
-                      guidance_scale=cfg.model.guidance_scale, height=cfg.model.height,
-                      width=cfg.model.width).images
+    images = ctx.generator.generate(prompts, list(range(len(prompts)))).images
     return torch.cat(list(images.float().cpu()), dim=2)
 
 
