@@ -43,7 +43,16 @@ MAX_IMAGES_PER_PROMPT = 10_000
 MAX_BATCH_SIZE = 4_096
 MAX_INFERENCE_STEPS = 1_000
 MAX_SIZE = 8_192
+#: A seed handed to a generator as it is: torch's CPU generator (Mersenne Twister) keeps only
+#: a seed's low 32 bits, so 2**32 would draw what 0 draws.
 MAX_SEED = 2**32 - 1
+#: A seed the cell derives others from: image i of a prompt is drawn with ``seed + i``, a bias
+#: prompt set's prompt j with ``seed + 1000 * j``, an attacker's probe j with ``seed + j``. Half
+#: the 32-bit range leaves those offsets room below :data:`MAX_SEED`, so no derived seed wraps.
+MAX_CELL_SEED = 2**31 - 1
+SEED_BOUND = " (torch's CPU generator keeps a seed's low 32 bits; seed+i of every image must stay below 2**32)"
+#: torch CPU threads of a cell.
+MAX_THREADS = 1_024
 PROMPT_TYPES: tuple[str, ...] = (*EA_TYPES, *RA_TYPES)
 BIAS_ATTRIBUTES: tuple[str, ...] = ("colour", "gender", "ethnicity")
 MODEL_KINDS = ("diffusers", "tinyworld", "tiny_random")
@@ -55,7 +64,8 @@ POSITIVE_INTS = {"iterations", "batch_size", "train_batch_size", "sample_steps",
                  "max_faces", "face_size"}
 POSITIVE_FLOATS = {"learning_rate", "lr", "max_grad_norm"}
 NONNEGATIVE = {"adam_weight_decay", "lamb", "prior_loss_weight", "sample_guidance", "start_guidance",
-               "erase_scale", "seed"}
+               "erase_scale"}
+SEEDS = {"seed"}  # a component's first seed (an attacker's probe j uses seed + j)
 UNIT_INTERVAL = {"threshold", "attention_mask_threshold"}
 
 
@@ -186,7 +196,10 @@ def _check_root(cfg: DictConfig, out: list[Violation]) -> None:
     if concept is not None and (not isinstance(concept, str) or not concept.strip()):
         out.append(Violation("concept", concept, "must be a concept name of the domain, or null for the "
                                                  "domain's default (an empty value is not a concept)"))
-    _int_in(out, "seed", _get(cfg, "seed"), 0, MAX_SEED)
+    _int_in(out, "seed", _get(cfg, "seed"), 0, MAX_CELL_SEED, SEED_BOUND)
+    threads = _get(cfg, "threads")
+    if threads is not None:
+        _int_in(out, "threads", threads, 1, MAX_THREADS, " or null (torch's default)")
     ipp = _get(cfg, "images_per_prompt")
     if ipp is not None:
         _int_in(out, "images_per_prompt", ipp, 1, MAX_IMAGES_PER_PROMPT, " or null (the domain's default)")
@@ -311,6 +324,8 @@ def _check_hparams(node: Any, prefix: str, out: list[Violation]) -> None:
                 continue
             elif k in POSITIVE_INTS:
                 _int_in(out, key, v, 1, 10**9)
+            elif k in SEEDS:
+                _int_in(out, key, v, 0, MAX_CELL_SEED, SEED_BOUND)
             elif k in POSITIVE_FLOATS:
                 _float_in(out, key, v, 0.0, lo_open=True)
             elif k in NONNEGATIVE:
@@ -324,6 +339,12 @@ def _check_component(group: str, node: Any, out: list[Violation]) -> None:
     if node is None:
         return
     plain = to_python(node)
+    _check_keys(group, plain, out)
+    _check_hparams(plain, group, out)
+
+
+def _check_keys(group: str, plain: Any, out: list[Violation]) -> None:
+    """Keys of a ``_target_`` node (plain Python) against the constructor's parameters."""
     target = plain.get("_target_") if isinstance(plain, dict) else None
     if target:
         params, err = _target_params(target)
@@ -336,7 +357,6 @@ def _check_component(group: str, node: Any, out: list[Violation]) -> None:
                 out.append(Violation(f"{group}.{key}", plain[key], f"unknown key of {group} "
                                      f"({target.rsplit('.', 1)[-1]}); {_did_you_mean(key, params)}"
                                      f"valid keys: {', '.join(params)}"))
-    _check_hparams(plain, group, out)
 
 
 def _check_domain_and_classifier(cfg: DictConfig, out: list[Violation]) -> None:
@@ -344,6 +364,10 @@ def _check_domain_and_classifier(cfg: DictConfig, out: list[Violation]) -> None:
     bound the judge's settings (the domain's judge when ``classifier=auto``)."""
     import hydra
 
+    before = len(out)
+    _check_keys("domain", to_python(cfg.domain), out)  # a key added with +domain.KEY=...
+    if len(out) > before:
+        return  # the domain cannot be built with it
     try:
         domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
     except Exception as err:  # noqa: BLE001 - reported as a violation, not a traceback
@@ -463,6 +487,20 @@ def _parse_each(overrides: Sequence[str], out: list[Violation]) -> list[str]:
     return good
 
 
+def _check_repeats(overrides: Sequence[str], out: list[Violation]) -> None:
+    """A key set twice (``concept=circle concept=star``): Hydra would keep the last silently."""
+    values: dict[str, list[str]] = {}
+    for ov in overrides:
+        key, eq, value = ov.partition("=")
+        if eq and not key.startswith("~"):
+            values.setdefault(key.lstrip("+"), []).append(value)
+    for key, given in values.items():
+        if len(given) > 1:
+            shown = ", ".join(f"{key}={_show(v)}" for v in given)
+            out.append(Violation(key, given, "", message=f"{key} is given {len(given)} times ({shown}); give it "
+                                 f"once (a sweep takes one override with the values joined: -m {key}=a,b)"))
+
+
 def _check_groups(overrides: Sequence[str], out: list[Violation]) -> list[str]:
     """Unknown choices of config groups (``method=esdd``), with "did you mean"."""
     good = []
@@ -503,7 +541,9 @@ def compose_cell(overrides: Sequence[str], out: list[Violation], config_name: st
     base: DictConfig | None = None
     for _ in range(len(overrides) + 1):
         try:
-            return compose(overrides)
+            cfg = compose(overrides)
+            _check_added_keys(overrides, cfg, out, compose)
+            return cfg
         except EmmaError as err:  # an include folder that does not exist, ...
             out.append(Violation("", None, "", message=str(err)))
             return None
@@ -516,6 +556,52 @@ def compose_cell(overrides: Sequence[str], out: list[Violation], config_name: st
                 return None
             overrides = [o for o in overrides if o != culprit]
     return None
+
+
+def _check_added_keys(overrides: Sequence[str], cfg: DictConfig, out: list[Violation], compose: Any) -> None:
+    """``+key=value`` / ``++key=value`` adds a key Hydra's struct mode would refuse as a
+    misspelling: it is refused the same way (valid keys, "did you mean"), unless the node
+    takes it. A node takes a key its ``_target_``'s constructor names, or any key when the
+    constructor takes ``**kwargs``; a mapping inside a component (an attacker's ``roles``,
+    ``prices``) is that component's argument, free-form; ``classifier=auto`` merges added keys
+    into the domain's judge, checked against it by :func:`validate_cell`; Hydra's own node is
+    Hydra's. The ``method``, ``attacker``, ``classifier`` and ``domain`` nodes are left to
+    :func:`validate_cell`, which checks every key of them."""
+    added = []
+    for ov in overrides:
+        key, eq, value = ov.partition("=")
+        bare = key.lstrip("+")
+        if not key.startswith("+") or not eq or "@" in bare or "/" in bare or bare.split(".")[0] == "hydra":
+            continue
+        if "." not in bare and registry.is_group(bare):
+            continue  # +group=choice: _check_groups
+        added.append((key, bare, value))
+    base: DictConfig | None = None
+    for key, bare, value in added:
+        parent, _, leaf = bare.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if not isinstance(node, DictConfig) or parent in ("method", "attacker", "classifier", "domain"):
+            continue
+        parts = parent.split(".") if parent else []
+        if any("_target_" in (OmegaConf.select(cfg, ".".join(parts[:i])) or {}) for i in range(1, len(parts))):
+            continue  # a mapping argument of a component
+        if "_target_" in node:
+            params, _ = _target_params(str(node["_target_"]))
+            if params is None or leaf in params:
+                continue
+            valid = params
+        else:
+            if key.startswith("++"):  # ++ also sets a key that exists: was it there before?
+                if base is None:
+                    base = compose([o for o in overrides if not o.startswith("++")])
+                before = OmegaConf.select(base, parent) if parent else base
+                if isinstance(before, DictConfig) and leaf in before:
+                    continue
+            valid = [str(k) for k in node.keys() if str(k) != "hydra" and str(k) != leaf]
+        where = f"'{parent}'" if parent else "the top level"
+        out.append(Violation(bare, value, f"unknown key (a leading '+' adds only a setting its component "
+                                          f"takes); {_did_you_mean(leaf, valid)}valid keys at {where}: "
+                                          f"{', '.join(sorted(valid))}"))
 
 
 def _compose_base(overrides: Sequence[str], compose: Any) -> DictConfig | None:
@@ -551,6 +637,13 @@ def _explain_compose_error(err: BaseException, overrides: Sequence[str],
                     culprit, key = ov, m2.group(1)
     value = culprit.split("=", 1)[1] if culprit and "=" in culprit else None
     name = (culprit.split("=", 1)[0] if culprit else key) or "override"
+    m3 = re.search(r"Could not append to config\. An item is already at '([^']+)'", text)
+    if m3:
+        key = m3.group(1)
+        culprit = next((o for o in overrides if o.split("=", 1)[0] in (f"+{key}", f"+{key}@_global_")), None)
+        value = culprit.split("=", 1)[1] if culprit else None
+        return culprit, Violation(key, value, "", message=f"+{key}={_show(value)}: {key} is already a setting; "
+                                                          f"set it without the '+': {key}={_show(value)}")
     if cause is not None and type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError") or \
             "not in struct" in text or "not in '" in text:
         valid = _node_keys(base, key) if base is not None and key else []
@@ -630,6 +723,7 @@ def validate_overrides(overrides: Sequence[str], multirun: bool = False, config_
     """
     problems: list[Violation] = []
     good = _check_groups(_parse_each(list(overrides), problems), problems)
+    _check_repeats(good, problems)
     if problems:  # grammar and group-choice errors are the same for every cell: report them with
         # what else the remaining overrides get wrong, leaving out keys of the groups in question
         bad = {v.key.lstrip("+~").split(".")[0].split("@")[0] for v in problems}

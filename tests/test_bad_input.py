@@ -91,8 +91,17 @@ CELL_CASES = [
     ("ipp-huge", ["images_per_prompt=1000000000"], ["images_per_prompt=1000000000", "[1, 10,000]"], 1),
     ("ipp-text", ["images_per_prompt=abc"], ["images_per_prompt=abc", "Integer"], 1),
     ("ipp-float", ["images_per_prompt=2.5"], ["images_per_prompt=2.5"], 1),
-    ("seed-negative", ["seed=-1"], ["seed=-1", "[0, 4,294,967,295]"], 1),
-    ("seed-huge", ["seed=4294967296"], ["seed=4294967296", "[0, 4,294,967,295]"], 1),
+    ("seed-negative", ["seed=-1"], ["seed=-1", "[0, 2,147,483,647]"], 1),
+    ("seed-huge", ["seed=4294967296"], ["seed=4294967296", "[0, 2,147,483,647]"], 1),
+    # torch's CPU generator keeps a seed's low 32 bits: seed+i of this cell's images would
+    # wrap around to the images of seeds 0, 1, ...
+    ("seed-derived-wraps", ["seed=4294967290"], ["seed=4294967290", "[0, 2,147,483,647]", "low 32 bits",
+                                                 "below 2**32"], 1),
+    ("attacker-seed-float", ["attacker=p4d_n", "attacker.seed=2.5"], ["attacker.seed=2.5",
+                                                                      "integer in [0, 2,147,483,647]"], 1),
+    ("threads-zero", ["threads=0"], ["threads=0", "[1, 1,024] or null (torch's default)"], 1),
+    ("threads-negative", ["threads=-1"], ["threads=-1", "[1, 1,024]"], 1),
+    ("threads-huge", ["threads=100000"], ["threads=100000", "[1, 1,024]"], 1),
     ("guidance-negative", ["model.guidance_scale=-1"], ["model.guidance_scale=-1", "[0.0, 100.0]"], 1),
     ("guidance-nan", ["model.guidance_scale=nan"], ["model.guidance_scale=nan", "finite"], 1),
     ("threshold-high", ["classifier=tinyworld", "classifier.threshold=1.5"],
@@ -128,6 +137,26 @@ CELL_CASES = [
                                                                     "did you mean 'iterations'"], 1),
     ("method-key-added", ["method=esd", "+method.iteratons=5"], ["method.iteratons=5", "did you mean 'iterations'",
                                                                   "valid keys: train_method, iterations"], 1),
+    # +key / ++key adds a key only where the component takes it: a misspelling is refused as without +
+    ("plus-key-misspelt", ["+images_per_promt=5"], ["images_per_promt=5", "did you mean 'images_per_prompt'",
+                                                    "leading '+'", "valid keys at the top level: attacker,"], 1),
+    ("plusplus-key-misspelt", ["++images_per_promt=5"], ["images_per_promt=5", "did you mean 'images_per_prompt'"], 1),
+    ("plus-model-key", ["+model.guidance_scal=50"], ["model.guidance_scal=50", "did you mean 'guidance_scale'",
+                                                     "valid keys at 'model': batch_size,"], 1),
+    ("plus-metrics-key", ["+metrics.fid.nref=3"], ["metrics.fid.nref=3", "did you mean 'n_ref'",
+                                                   "valid keys at 'metrics.fid'"], 1),
+    ("plus-domain-key", ["+domain.n_randm=3"], ["domain.n_randm=3", "did you mean 'n_random'",
+                                                "unknown key of domain (tinyworld_domain)"], 1),
+    ("plus-auto-judge-key", ["domain=object", "+classifier.thresold=0.6"],
+     ["classifier.thresold=0.6", "did you mean 'threshold'", "valid keys: weights, threshold",
+      "judge 'ml_decoder' of domain 'object'"], 1),
+    ("plus-key-that-exists", ["+threads=2"], ["+threads=2: threads is already a setting",
+                                              "without the '+': threads=2"], 1),
+    # a key given twice: Hydra would keep the last silently
+    ("repeated", ["concept=circle", "concept=star"], ["concept is given 2 times (concept=circle, concept=star)",
+                                                      "give it once"], 1),
+    ("repeated-group", ["method=esd", "images_per_prompt=2", "method=uce"],
+     ["method is given 2 times (method=esd, method=uce)"], 1),
     ("method-none-key", ["method.iterations=5"], ["method.iterations=5", "takes no settings"], 1),
     ("model-key-misspelt", ["model.batchsize=4"], ["model.batchsize=4", "did you mean 'batch_size'"], 1),
     ("metrics-key-misspelt", ["metrics.fid.nref=3"], ["metrics.fid.nref=3", "did you mean 'n_ref'"], 1),
@@ -148,6 +177,13 @@ CELL_CASES = [
      ["2 of 4 cells", "images_per_prompt=0", "concept=circle", "concept=star"], 3),
     ("sweep-choice", ["-m", "method=none,esdd"], ["unknown method 'esdd'"], 1),
     ("sweep-range", ["-m", "seed=range(-2,1)"], ["seed=-2", "seed=-1", "2 of 3 cells"], 3),
+    ("sweep-plus-key", ["-m", "concept=circle,star", "+images_per_promt=5"],
+     ["2 of 2 cells; no job was started", "cell #0 (concept=circle): images_per_promt=5",
+      "cell #1 (concept=star): images_per_promt=5", "did you mean 'images_per_prompt'"], 3),
+    ("sweep-repeated", ["-m", "concept=circle,star", "concept=square"],
+     ["concept is given 2 times (concept=circle,star, concept=square)", "-m concept=a,b"], 1),
+    ("sweep-threads", ["-m", "threads=0,2"],
+     ["cell #0 (threads=0)", "threads=0: must be an integer", "1 of 2 cells"], 2),
 ]
 
 
@@ -166,6 +202,11 @@ def test_bad_cell_setting_is_refused_before_work(argv, expected, problems, preci
 @pytest.mark.parametrize("argv", [
     ["concept=star"], ["images_per_prompt=null"], ["prompt_types=[name,random]"], ["-m", "concept=circle,star"],
     ["method=esd", "method.iterations=5"], ["+classifier.threshold=0.6"], ["overwrite=true"],
+    ["threads=4"], ["threads=null"], ["seed=2147483647"], ["++seed=3"], ["++model.guidance_scale=3"],
+    ["+hydra.job.env_set.EMMA_X=1"], ["-m", "concept=circle,star", "seed=0,1"],
+    # a mapping argument of a component is free-form; a **kwargs constructor takes any key
+    ["attacker=stace", "+attacker.roles.critic={temperature: 0.2}"],
+    ["+metrics.bias.similarity.embedding.device=cpu"],
 ])
 def test_valid_settings_pass_the_preflight(argv, capsys):
     assert preflight(argv) == 0, capsys.readouterr().err
@@ -361,6 +402,9 @@ def emma_run(args, cache, timeout=300):
     (["images_per_promt=2"], ["images_per_promt=2", "did you mean 'images_per_prompt'"]),
     (["method=checkpoint"], ["method=checkpoint needs method.path="]),
     (["model.batch_size=0", "model.num_inference_steps=0"], ["model.batch_size=0", "model.num_inference_steps=0"]),
+    (["+images_per_promt=2"], ["images_per_promt=2", "did you mean 'images_per_prompt'"]),
+    (["concept=circle", "concept=star"], ["concept is given 2 times"]),
+    (["threads=0"], ["threads=0", "[1, 1,024]"]),
 ])
 def test_cli_exits_2_before_any_work(args, expected, precious):
     cache, run = precious

@@ -78,11 +78,11 @@ def setup(cfg: DictConfig, *, validated: bool = False, lookup: bool = True) -> C
     from emma.validate import check_cell
     from emma.weights import ENV_CACHE
 
-    if cfg.get("threads") is not None:
-        torch.set_num_threads(int(cfg.threads))
     os.environ[ENV_CACHE] = str(cache_root)  # one root: weights, FID statistics, downloads follow it
     if not validated:
-        check_cell(cfg)  # every setting, before any work
+        check_cell(cfg)  # every setting, before any work (threads=0 is refused here, not by torch)
+    if cfg.get("threads") is not None:
+        torch.set_num_threads(int(cfg.threads))
     ctx.repairs_mark = repair_mark()
     t = time.perf_counter()
     build_components(ctx)
