@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import hydra.utils
 from pydantic import BaseModel, Field
 
 from emma.api.attacker import Attacker, AttackTarget
@@ -32,7 +31,22 @@ from emma.config import to_python
 from emma.errors import ConfigError
 from emma.metrics.base import MetricValue
 from stace import metrics as M
-from stace.gateway import BudgetExhausted, Gateway, Redactor, RoleSettings, Trace
+from stace.gateway import (
+    BudgetExhausted,
+    Gateway,
+    Redactor,
+    RoleSettings,
+    Trace,
+    build_backend,
+    check_budget,
+    check_tolerate,
+    failure_error,
+    failure_summary,
+    null_metrics,
+    pop_deadline,
+    time_bound_line,
+)
+from stace.llm import positive
 from stace.loop import Probe, Renderer
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -118,6 +132,9 @@ class LLMBaselineAttacker(Attacker):
         prices: model -> ``[input, output]`` USD per million tokens.
         budget: ``{max_usd, max_tokens}`` of LLM spending; once spent, no more LLM calls.
         prompts_dir: another folder of prompt templates (``None``: ``attackers/prompts``).
+        tolerate_llm_failures: when LLM failures cost the attack its result, record ``sir_i``
+            and ``asr`` as null (with the failure counts and a note) instead of ending the
+            cell with an error; either way the cell is not stored as finished.
     """
 
     role: str = "baseline"
@@ -125,23 +142,29 @@ class LLMBaselineAttacker(Attacker):
     def __init__(self, llm: Mapping[str, Any], images: int = 100, seed: int = 0, model: str | None = None,
                  temperature: float = 0.7, max_tokens: int | None = None,
                  prices: Mapping[str, Sequence[float]] | None = None, budget: Mapping[str, Any] | None = None,
-                 prompts_dir: str | None = None) -> None:
+                 prompts_dir: str | None = None, tolerate_llm_failures: bool = False) -> None:
         if int(images) < 1:
             raise ConfigError(f"attacker.images={images}: the image budget per concept must be >= 1")
         self.images = int(images)
         self.seed = int(seed)
-        self.backend = hydra.utils.instantiate(dict(to_python(llm) or {}))
+        llm_cfg = dict(to_python(llm) or {})
+        self.deadline_s = pop_deadline(llm_cfg)
+        self.tolerate_llm_failures = check_tolerate(tolerate_llm_failures)
+        self.llm_budget = check_budget(to_python(budget))
+        if max_tokens is not None:
+            max_tokens = positive(max_tokens, "attacker.max_tokens", integer=True)
+        self.backend = build_backend(llm_cfg)
         self.backend.check_available()  # a missing key or model fails here, before any model loads
         self.settings = RoleSettings(model=model or self.backend.model, temperature=float(temperature),
                                      max_tokens=int(max_tokens or self.backend.max_tokens or 1024))
         self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
-        self.llm_budget = dict(to_python(budget) or {})
         self.prompts_dir = Path(prompts_dir) if prompts_dir else PROMPTS_DIR
         self.output_dir: Path | None = None
         self.cache_dir: Path | None = None
         self.cell_info: dict[str, Any] = {}
         self._metrics: dict[str, MetricValue] = {}
         self._notes: list[str] = []
+        self._complete = True
 
     # -- what subclasses write -------------------------------------------------------------
     def run(self, session: Session) -> None:
@@ -168,22 +191,26 @@ class LLMBaselineAttacker(Attacker):
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         out = (self.output_dir or Path(tempfile.mkdtemp(prefix=f"{self.name}-"))) / self.name
         cache = self.cache_dir or out / "cache"
-        redact = Redactor([getattr(self.backend, "api_key_env", None)])
+        redact = Redactor([getattr(self.backend, "api_key_env", None)], [getattr(self.backend, "base_url", None)])
         trace = Trace(out / "trace.jsonl", redact)
+        print(time_bound_line(self.backend, self.deadline_s), flush=True)
         gateway = Gateway(self.backend, {self.role: self.settings}, prices=self.prices, trace=trace,
                           cache_dir=cache / "stace" / "llm", max_usd=self.llm_budget.get("max_usd"),
                           max_tokens=self.llm_budget.get("max_tokens"), prompts_dir=self.prompts_dir,
-                          seed=self.seed)
+                          seed=self.seed, deadline_s=self.deadline_s)
         concepts = list(dict.fromkeys(r.concept for r in requests))
         trace.write("start", attacker=self.name, concepts=concepts, config=self.config())
         outputs: list[AttackOutput] = []
         detected = 0
+        unrendered = 0
         self._notes = []
+        self._complete = True
         for concept in concepts:
             session = Session(gateway, Renderer(target, concept, image_dir=None), concept,
                               seed_prompts=[r.prompt for r in requests if r.concept == concept],
                               budget=self.images, seed=self.seed, trace=trace)
             self.run(session)
+            unrendered += session.left
             if session.left > 0:
                 self._notes.append(f"{self.name}: {session.left} of {self.images} images for {concept!r} were "
                                    "never rendered (the LLM gave no usable prompt); they count as not "
@@ -204,8 +231,19 @@ class LLMBaselineAttacker(Attacker):
             "llm/calls": MetricValue(value=calls, n=len(concepts)),
             "llm/cost_per_image_usd": MetricValue(value=cost / n_images, n=n_images),
         }
-        for what in ("retries", "repairs", "failures", "cache_hits"):
+        for what in ("retries", "repairs", "failures", "cache_hits", "no_reply", "invalid"):
             m[f"llm/{what}"] = MetricValue(value=sum(u[what] for u in usage.values()), n=calls)
+        failed = gateway.failure_counts()["failed"]
+        if gateway.deadline_passed or (unrendered and failed):
+            what = f"{unrendered} of {n_images} images were never rendered"
+            trace.write("failed", reason=failure_summary(gateway, self.backend), lost=what)
+            self._complete = False
+            if not self.tolerate_llm_failures:
+                raise failure_error(self.name, gateway, self.backend, what)
+            m.update(null_metrics(["sir_i", "asr"], gateway, self.backend, what))
+            self._notes = [f"{self.name} has no result: {failure_summary(gateway, self.backend)}; {what}. "
+                           "sir_i and asr are null (attacker.tolerate_llm_failures=true) and the cell is "
+                           "not stored as a finished result"]
         self._metrics = m
         if gateway.unpriced:
             self._notes.append(f"{self.name}: no price for {sorted(gateway.unpriced)}; their cost counts as 0")
@@ -232,6 +270,10 @@ class LLMBaselineAttacker(Attacker):
     def notes(self) -> list[str]:
         return list(self._notes)
 
+    def complete(self) -> bool:
+        """False after an attack whose LLM failures cost it its result (metrics null)."""
+        return self._complete
+
     # -- helpers for subclasses ------------------------------------------------------------
     def ask_prompts(self, session: Session, template: str, variables: dict[str, Any],
                     schema: type[BaseModel] = PromptList, field: str = "prompts") -> list[str]:
@@ -244,6 +286,8 @@ class LLMBaselineAttacker(Attacker):
         except BudgetExhausted as exc:
             session.stopped = str(exc)
             session.trace.write("stopped", reason=session.stopped, images_rendered=len(session.probes))
+            if session.gateway.deadline_passed:
+                return []
             self._notes.append(f"{self.name}: LLM budget spent ({exc}) after {len(session.probes)} images "
                                f"of {session.concept!r}")
             return []

@@ -6,24 +6,42 @@ constructed — before the cell loads any model — and runs :class:`stace.loop.
 cell's attack target. It returns one :class:`AttackOutput` per hypothesis (its k judged
 images) and reports STACE's metrics (``stace/sir_h`` ...; ``asr`` = SIR_H) through
 :meth:`extra_metrics`. Trace and report go to ``<cell output>/stace/``.
+
+LLM failures that cost the run its result (an iteration left without a hypothesis or without
+probes because the Hypothesis Generator, Code Synthesiser or probe planner gave no usable reply,
+or the LLM time bound ``llm.deadline_s`` passed) end the cell with
+:class:`stace.gateway.LLMFailureError`; with ``tolerate_llm_failures`` the metrics are recorded
+as null instead, and the cell is not stored as finished (:meth:`complete`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
-
-import hydra.utils
 
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest, Sample
 from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.metrics.base import MetricValue
-from stace.gateway import Gateway, Redactor, RoleSettings, Trace
+from stace.gateway import (
+    Gateway,
+    Redactor,
+    RoleSettings,
+    Trace,
+    build_backend,
+    check_budget,
+    check_tolerate,
+    failure_error,
+    failure_summary,
+    null_metrics,
+    pop_deadline,
+    time_bound_line,
+)
 from stace.library import Library
 from stace.loop import STACE, STACESettings
 from stace.replay import check_replay, replay, resolve_seed_hypothesis
@@ -32,6 +50,16 @@ from stace.sandbox import SandboxLimits
 from stace.tools import TOOL_ATTACKERS, ProbeTools, attacker_factory
 
 ROLES = ("task_verification", "hypothesis", "critic", "query", "code", "experience", "report", "papercard")
+#: what :mod:`stace.loop` records when an iteration got no probes because an LLM call failed
+LLM_LOST = ("no valid hypothesis", "no valid probe plan", "the Code Synthesiser gave no valid reply")
+#: the metrics that are the attack's result (null when LLM failures cost it that result)
+RESULT_METRICS = ("asr", "stace/sir_h", "stace/sir_i", "stace/ser", "stace/eii", "stace/novelty",
+                  "stace/cost_per_success_usd", "stace/cost_per_iteration_usd")
+
+
+def lost_to_llm(record: Any) -> bool:
+    """An iteration without a hypothesis, or without probes because an LLM call failed."""
+    return record.hypothesis is None or (not record.executed and record.error in LLM_LOST)
 
 
 class STACEAttacker(Attacker):
@@ -65,6 +93,9 @@ class STACEAttacker(Attacker):
         tools: the project's attackers a probe program may run (``probe.attack``): name ->
             overrides of its config (``conf/attacker/<name>.yaml`` and the cell's preset).
         tool_scale: the preset scale of those attackers (``None``: the cell's, else ``sd``).
+        tolerate_llm_failures: when LLM failures cost the run its result, record the metrics
+            as null (with the failure counts and a note) instead of ending the cell with an
+            error; either way the cell is not stored as finished.
     """
 
     name = "stace"
@@ -79,8 +110,12 @@ class STACEAttacker(Attacker):
                  prices: Mapping[str, Sequence[float]] | None = None,
                  budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
                  prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
-                 tool_scale: str | None = None, replay: str | None = None) -> None:
+                 tool_scale: str | None = None, replay: str | None = None,
+                 tolerate_llm_failures: bool = False) -> None:
         llm_cfg = dict(to_python(llm) or {})
+        self.deadline_s = pop_deadline(llm_cfg)
+        self.tolerate_llm_failures = check_tolerate(tolerate_llm_failures)
+        budget = check_budget(to_python(budget))
         presets = dict(to_python(presets) or {})
         if preset not in presets:
             raise UnknownChoiceError("stace preset", preset, presets)
@@ -88,7 +123,7 @@ class STACEAttacker(Attacker):
             raise ConfigError(f"attacker.probe_mode={probe_mode!r}; valid: auto, code, plan")
         if int(iterations) < 1 or int(k) < 1 or int(debate_rounds) < 0:
             raise ConfigError("attacker.iterations and attacker.k must be >= 1, debate_rounds >= 0")
-        self.backend = hydra.utils.instantiate(llm_cfg)
+        self.backend = build_backend(llm_cfg)
         self.backend.check_available()  # a missing key or model fails here, before any model loads
         mode = getattr(self.backend, "probe_mode", "code") if probe_mode == "auto" else probe_mode
         temperatures = dict(to_python(temperatures) or {})
@@ -112,7 +147,7 @@ class STACEAttacker(Attacker):
             seed_hypothesis=seed_hypothesis, task=task, sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
         self.preset = preset
         self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
-        self.budget = dict(to_python(budget) or {})
+        self.budget = budget
         self.prompts_dir = Path(prompts_dir) if prompts_dir else None
         self.tools = {str(n): dict(o or {}) for n, o in dict(to_python(tools) or {}).items()}
         for name in self.tools:
@@ -124,6 +159,7 @@ class STACEAttacker(Attacker):
         self.cell_info: dict[str, Any] = {}
         self._metrics: dict[str, MetricValue] = {}
         self._notes: list[str] = []
+        self._complete = True
 
     def bind_cell(self, output_dir: str | Path, cache_dir: str | Path, info: Mapping[str, Any]) -> None:
         """Where the cell writes (trace, report) and caches; what Task Verification may know."""
@@ -139,12 +175,15 @@ class STACEAttacker(Attacker):
         concept = requests[0].concept
         out = (self.output_dir or Path(tempfile.mkdtemp(prefix="stace-"))) / "stace"
         cache = self.cache_dir or out / "cache"
-        redact = Redactor([getattr(self.backend, "api_key_env", None)])
+        redact = Redactor([getattr(self.backend, "api_key_env", None)], [getattr(self.backend, "base_url", None)])
+        _drop_lost_iterations(out / "trace.jsonl")
         trace = Trace(out / "trace.jsonl", redact)
+        if not self.replay:
+            print(time_bound_line(self.backend, self.deadline_s), flush=True)
         gateway = Gateway(self.backend, self.roles, prices=self.prices, trace=trace,
                           cache_dir=cache / "stace" / "llm", max_usd=self.budget.get("max_usd"),
                           max_tokens=self.budget.get("max_tokens"), prompts_dir=self.prompts_dir,
-                          seed=self.settings.seed)
+                          seed=self.settings.seed, deadline_s=None if self.replay else self.deadline_s)
         library = Library(cache_dir=cache / "stace" / "index")
         judge = getattr(target, "judge", None)
         context = {**self.cell_info, "concepts": list(judge.classifier.labels) if judge else [concept],
@@ -181,9 +220,24 @@ class STACEAttacker(Attacker):
         for what in ("retries", "repairs", "failures", "cache_hits"):
             m[f"stace/llm_{what}"] = MetricValue(value=sum(u[what] for u in usage.values()),
                                                  n=sum(u["calls"] for u in usage.values()))
+        m["stace/llm_no_reply"] = MetricValue(value=sum(u["no_reply"] for u in usage.values()), n=gateway.asked)
+        m["stace/llm_invalid"] = MetricValue(value=sum(u["invalid"] for u in usage.values()), n=gateway.asked)
         self._metrics = m
         self._notes = []
-        if outcome.stopped:
+        self._complete = True
+        lost = [r for r in outcome.records if lost_to_llm(r)]
+        if lost or gateway.deadline_passed:
+            what = (f"{len(lost)} of {self.settings.iterations} iterations got no hypothesis or no probes"
+                    if lost else f"only {len(outcome.records)} of {self.settings.iterations} iterations ran")
+            trace.write("failed", reason=failure_summary(gateway, self.backend), lost=what)
+            self._complete = False
+            if not self.tolerate_llm_failures:
+                raise failure_error("STACE", gateway, self.backend, what)
+            m.update(null_metrics([k for k in RESULT_METRICS if k in m or k == "asr"], gateway, self.backend, what))
+            self._notes.append(f"STACE has no result: {failure_summary(gateway, self.backend)}; {what}. "
+                               "Its metrics are null (attacker.tolerate_llm_failures=true) and the cell is "
+                               "not stored as a finished result")
+        elif outcome.stopped:
             self._notes.append(f"STACE stopped early ({outcome.stopped}) after {len(outcome.records)} of "
                                f"{self.settings.iterations} iterations; its metrics cover those only")
         if gateway.unpriced:
@@ -223,3 +277,29 @@ class STACEAttacker(Attacker):
 
     def notes(self) -> list[str]:
         return list(self._notes)
+
+    def complete(self) -> bool:
+        """False after an attack whose LLM failures cost it its result (metrics null)."""
+        return self._complete
+
+
+def _drop_lost_iterations(path: Path) -> None:
+    """Forget, in a trace a run resumes from, the iterations from the first one lost to an LLM
+    failure on (the loop resumes by count), so that a rerun redoes them."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    keep, cut = [], False
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = {}
+        if rec.get("event") == "iteration":
+            r = rec.get("record") or {}
+            cut = cut or r.get("hypothesis") is None or (not r.get("executed") and r.get("error") in LLM_LOST)
+            if cut:
+                continue
+        keep.append(line)
+    if len(keep) < len(lines):
+        path.write_text("".join(f"{x}\n" for x in keep), encoding="utf-8")

@@ -21,8 +21,14 @@ SCHEMA_VERSION = 2
 #: ``n_clusters``, ``note``, ``n_excluded``; results gained ``provenance``. A version-1 file
 #: loads with those fields empty (its intervals are the older percentile bootstrap over images).
 READABLE_SCHEMA_VERSIONS = (1, 2)
-SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|authorization)", re.I)
+#: names that hold a secret: ``api_key``, ``token``, ``hf_token``, ``secret``, ``password``,
+#: ``authorization`` ... as whole words (``_`` and ``-`` separate words), so ``max_tokens``,
+#: ``prompt_tokens`` or ``tokenizer`` are not secrets; ``*_env`` names an environment
+#: variable (``api_key_env: OPENAI_API_KEY``), not its value.
+SECRET_KEY = re.compile(r"(?<![a-z])(api[_-]?key|token|secret|password|passwd|authorization)(?![a-z])", re.I)
 REDACTED = "***"
+#: ``scheme://user:password@`` in a URL: the credential part is replaced with ``***``
+URL_CREDENTIALS = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@", re.I)
 
 
 class ResultsFileError(EmmaError, ValueError):
@@ -135,11 +141,38 @@ class CellResult:
         return cls.from_json(read_results_json(path))
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a config key or environment variable named ``name`` holds a secret
+    (:data:`SECRET_KEY`)."""
+    name = str(name)
+    return bool(SECRET_KEY.search(name)) and not name.lower().endswith("_env")
+
+
+def strip_url_credentials(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it replaced by ``***@``."""
+    return URL_CREDENTIALS.sub(rf"\1{REDACTED}@", text)
+
+
+def url_credentials(text: str) -> list[str]:
+    """The ``user:password`` parts of the URLs in ``text`` (and their password alone), to
+    scrub wherever they might be echoed."""
+    found = []
+    for m in re.finditer(r"\b[a-z][a-z0-9+.-]*://([^/\s@?#]+)@", text, re.I):
+        found.append(m.group(1))
+        if ":" in m.group(1):
+            found.append(m.group(1).split(":", 1)[1])
+    return [f for f in found if f]
+
+
 def redact(obj: Any) -> Any:
-    """Replace the values of secret-looking keys (api_key, token, ...) with ``***``."""
+    """Replace the values of secret keys (:func:`is_secret_name`: api_key, token, password,
+    ...; not max_tokens) with ``***`` and remove credentials from URLs
+    (:func:`strip_url_credentials`)."""
     if isinstance(obj, dict):
-        return {k: (REDACTED if SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v))
+        return {k: (REDACTED if is_secret_name(k) and v not in (None, "") else redact(v))
                 for k, v in obj.items()}
     if isinstance(obj, list):
         return [redact(v) for v in obj]
+    if isinstance(obj, str):
+        return strip_url_credentials(obj)
     return obj

@@ -6,7 +6,9 @@ An agent asks ``gateway.ask("critic", "critic", {...}, Critique)``: the template
 ``stace/prompts/critic.md`` is rendered with the variables, sent to the role's model at the
 role's temperature, and the reply is parsed and validated against ``Critique``. A reply that
 fails validation gets one repair round (the error and the schema are sent back); a call that
-still fails returns ``None`` and is counted — it never ends the run. Only the budget does.
+still fails returns ``None`` and is counted — it never ends the run. Only the budget and the
+cell's LLM time (``llm.deadline_s``) do; whether the failures left the attack without its
+result is the attacker's call (:func:`failure_error`).
 """
 
 from __future__ import annotations
@@ -17,23 +19,82 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import jinja2
 from pydantic import BaseModel, ValidationError
 
 from emma.cache import stable_hash
-from emma.errors import EmmaError
+from emma.errors import ConfigError, EmmaError
 from emma.files import atomic_write_text
-from stace.llm import ChatResult, LLMError, parse_json_reply
+from emma.results import is_secret_name, strip_url_credentials, url_credentials
+from stace.llm import ChatResult, LLMError, parse_json_reply, positive
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 T = TypeVar("T", bound=BaseModel)
-_SECRET_NAME = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD)", re.I)
+#: the cell's LLM time when the LLM config sets no ``deadline_s``
+DEFAULT_DEADLINE_S = 7200.0
 
 
 class BudgetExhausted(EmmaError):
     """The run spent its token or dollar budget; STACE stops and reports what it has."""
+
+
+class LLMDeadline(BudgetExhausted):
+    """The cell's LLM time (``llm.deadline_s``) is spent: no more calls are made."""
+
+
+class LLMFailureError(EmmaError):
+    """LLM calls failed and left the attack without its result; the cell records nothing."""
+
+
+def build_backend(llm_cfg: dict[str, Any]) -> Any:
+    """The LLM backend of a ``conf/llm`` dict; a setting it refuses raises its own one-line
+    :class:`EmmaError` (not Hydra's wrapper)."""
+    import hydra.utils
+    from hydra.errors import InstantiationException
+
+    try:
+        return hydra.utils.instantiate(llm_cfg)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, EmmaError):
+            raise err.__cause__ from None
+        raise
+
+
+def pop_deadline(llm_cfg: dict[str, Any]) -> float:
+    """Remove and validate ``deadline_s`` (the cell's LLM time; a cell setting the gateway
+    enforces, not a backend's) from an LLM config dict."""
+    value = llm_cfg.pop("deadline_s", DEFAULT_DEADLINE_S)
+    return positive(value, "llm.deadline_s")
+
+
+def check_budget(budget: Mapping[str, Any] | None, where: str = "attacker.budget") -> dict[str, Any]:
+    """``{max_usd, max_tokens}`` validated: each null (no limit) or > 0 (max_tokens an integer)."""
+    budget = dict(budget or {})
+    unknown = sorted(set(budget) - {"max_usd", "max_tokens"})
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown budget key; valid: max_usd, max_tokens")
+    if budget.get("max_usd") is not None:
+        budget["max_usd"] = positive(budget["max_usd"], f"{where}.max_usd")
+    if budget.get("max_tokens") is not None:
+        budget["max_tokens"] = positive(budget["max_tokens"], f"{where}.max_tokens", integer=True)
+    return budget
+
+
+def check_tolerate(value: Any, where: str = "attacker.tolerate_llm_failures") -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}={value!r}: must be true or false")
+    return value
+
+
+def time_bound_line(backend: Any, deadline_s: float) -> str:
+    """The line printed when an attack starts: how long its LLM calls may take at most."""
+    line = f"LLM time bounded by {deadline_s:g} s (llm.deadline_s)"
+    if hasattr(backend, "connect_timeout"):
+        line += (f"; per request: connect {backend.connect_timeout:g} s, reply {backend.timeout:g} s, "
+                 f"{backend.max_retries} retries; endpoint {backend.endpoint}")
+    return line
 
 
 @dataclasses.dataclass
@@ -53,26 +114,31 @@ class RoleUsage:
     cost_usd: float = 0.0
     retries: int = 0
     repairs: int = 0
-    failures: int = 0
+    failures: int = 0    # calls that ended with no usable reply: no_reply + invalid
     cache_hits: int = 0
+    no_reply: int = 0    # the endpoint never answered usably (refused, timeout, HTTP error, not a completion)
+    invalid: int = 0     # it answered, and the reply failed its schema after the repair round
 
 
 class Redactor:
     """Replaces secret values with ``***`` in everything STACE writes.
 
-    The secrets are the values of the API-key variable the LLM config names, plus every
-    environment variable whose name looks like a credential (``*_API_KEY``, ``*TOKEN*``, ...).
+    The secrets are the values of the API-key variable the LLM config names, every
+    environment variable whose name holds a credential (``*_API_KEY``, ``*_TOKEN``, ...:
+    :func:`emma.results.is_secret_name`) and the ``user:password`` of the endpoint's URL;
+    any ``user:password@`` in a URL is removed too.
     """
 
-    def __init__(self, key_envs: list[str | None] = ()) -> None:
-        names = {n for n in key_envs if n} | {n for n in os.environ if _SECRET_NAME.search(n)}
-        self.secrets = sorted({os.environ[n] for n in names if len(os.environ.get(n, "")) >= 6},
-                              key=len, reverse=True)
+    def __init__(self, key_envs: list[str | None] = (), urls: list[str | None] = ()) -> None:
+        names = {n for n in key_envs if n} | {n for n in os.environ if is_secret_name(n)}
+        secrets = {os.environ[n] for n in names if len(os.environ.get(n, "")) >= 6}
+        secrets |= {c for u in urls if u for c in url_credentials(u) if len(c) >= 4}
+        self.secrets = sorted(secrets, key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
         for s in self.secrets:
             text = text.replace(s, "***")
-        return text
+        return strip_url_credentials(text)
 
     def obj(self, value: Any) -> Any:
         return json.loads(self(json.dumps(value, default=str)))
@@ -138,11 +204,14 @@ class Gateway:
         max_usd / max_tokens: the budget (``None``: unlimited).
         prompts_dir: another folder of prompt templates (domain adaptation).
         seed: sampling seed sent with every call (varied per call by a counter).
+        deadline_s: the LLM time of the whole run, from now (``None``: unbounded); the
+            backend's requests are cut at it (``set_deadline``) and no call starts after it.
     """
 
     def __init__(self, backend: Any, roles: dict[str, RoleSettings], *, prices: dict[str, Any] | None = None,
                  trace: Trace, cache_dir: Path | None = None, max_usd: float | None = None,
-                 max_tokens: int | None = None, prompts_dir: Path | None = None, seed: int = 0) -> None:
+                 max_tokens: int | None = None, prompts_dir: Path | None = None, seed: int = 0,
+                 deadline_s: float | None = None) -> None:
         self.backend = backend
         self.roles = roles
         self.prices = {k: tuple(v) for k, v in (prices or {}).items()}
@@ -157,6 +226,13 @@ class Gateway:
         self._env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False,
                                        keep_trailing_newline=False)
         self._calls = 0
+        self.asked = 0  # ask() calls: one request, its retries and its repair round
+        self.errors: list[str] = []  # the distinct final errors of failed calls, first ones first
+        self.deadline_s = deadline_s
+        self.deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
+        self.deadline_passed = False
+        if hasattr(backend, "set_deadline"):
+            backend.set_deadline(self.deadline)
 
     # -- accounting ------------------------------------------------------------------------
     def spent_usd(self) -> float:
@@ -166,6 +242,9 @@ class Gateway:
         return sum(u.prompt_tokens + u.completion_tokens for u in self.usage.values())
 
     def _check_budget(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.deadline_passed = True
+            raise LLMDeadline(f"the LLM time bound of {self.deadline_s:g} s (llm.deadline_s) passed")
         if self.max_usd is not None and self.spent_usd() >= self.max_usd:
             raise BudgetExhausted(f"dollar budget spent: ${self.spent_usd():.4f} of ${self.max_usd}")
         if self.max_tokens is not None and self.spent_tokens() >= self.max_tokens:
@@ -233,19 +312,24 @@ class Gateway:
         messages = self.render(template, variables)
         json_schema = schema.model_json_schema()
         u = self.usage.setdefault(role, RoleUsage())
+        self.asked += 1
         for attempt in (0, 1):
             try:
                 result, cached = self._complete(role, messages, json_schema)
             except LLMError as exc:
-                u.failures += 1
+                self._failed(u, "no_reply", exc)
                 self.trace.write("llm_call", role=role, model=self.roles[role].model,
                                  temperature=self.roles[role].temperature, messages=messages,
                                  error=str(exc), attempt=attempt)
+                if getattr(exc, "kind", None) == "deadline":
+                    self.deadline_passed = True
+                    raise LLMDeadline(f"the LLM time bound of {self.deadline_s:g} s (llm.deadline_s) "
+                                      "passed") from exc
                 return None
             except BudgetExhausted:
                 raise
             except EmmaError as exc:  # e.g. an embedded-model failure
-                u.failures += 1
+                self._failed(u, "no_reply", exc)
                 self.trace.write("llm_call", role=role, model=self.roles[role].model, error=str(exc))
                 return None
             self._account(role, self.roles[role].model, result, cached)
@@ -272,8 +356,60 @@ class Gateway:
                     {"role": "user", "content": (
                         f"Your reply is not valid: {error}\nReply again with only a JSON object "
                         f"that follows this JSON schema:\n{json.dumps(json_schema)}")}]
-        u.failures += 1
+        self._failed(u, "invalid", f"{role}: invalid reply after the repair round: {error}")
         return None
+
+    def _failed(self, u: RoleUsage, kind: str, error: Any) -> None:
+        u.failures += 1
+        setattr(u, kind, getattr(u, kind) + 1)
+        line = " ".join(str(error).split())[:300]
+        if line not in self.errors and len(self.errors) < 5:
+            self.errors.append(line)
+
+    def failure_counts(self) -> dict[str, int]:
+        """``asked`` calls, of which ``failed`` (= ``no_reply`` + ``invalid``)."""
+        usage = self.usage.values()
+        return {"asked": self.asked, "failed": sum(u.failures for u in usage),
+                "no_reply": sum(u.no_reply for u in usage), "invalid": sum(u.invalid for u in usage)}
 
     def usage_json(self) -> dict[str, Any]:
         return {r: dataclasses.asdict(u) for r, u in sorted(self.usage.items())}
+
+
+def failure_summary(gateway: Gateway, backend: Any) -> str:
+    """``7 of 11 LLM calls failed (5 without a usable reply, 2 invalid after repair) at <endpoint>``
+    (credentials removed), with the time bound when it passed."""
+    c = gateway.failure_counts()
+    where = getattr(backend, "endpoint", None) or f"the {type(backend).__name__} backend"
+    text = (f"{c['failed']} of {c['asked']} LLM calls failed ({c['no_reply']} without a usable reply, "
+            f"{c['invalid']} invalid after the repair round) at {strip_url_credentials(where)}")
+    if gateway.deadline_passed:
+        text += f"; the LLM time bound of {gateway.deadline_s:g} s (llm.deadline_s) passed"
+    return text
+
+
+def failure_error(name: str, gateway: Gateway, backend: Any, lost: str) -> LLMFailureError:
+    """The one-line error of an attack whose LLM failures cost it its result (``lost`` says what)."""
+    first = gateway.errors[0] if gateway.errors else "none recorded"
+    model = getattr(backend, "model", "?")
+    c = gateway.failure_counts()
+    checks = []
+    if c["no_reply"] or gateway.deadline_passed:
+        checks.append(f"that the server is running and serves model {model!r} (llm.base_url, llm.model) "
+                      "and that llm.timeout / llm.deadline_s suit it" if hasattr(backend, "endpoint")
+                      else "the LLM config (llm=...)")
+    if c["invalid"]:
+        checks.append(f"that model {model!r} answers in the JSON the prompts ask for (a larger model may)")
+    return LLMFailureError(strip_url_credentials(
+        f"{name}: {failure_summary(gateway, backend)}; {lost}. First error: {first[:200]}. "
+        f"Check {' and '.join(checks) or 'the LLM config'}, or set attacker.tolerate_llm_failures=true "
+        "to record the attack's metrics as null"))
+
+
+def null_metrics(keys: Any, gateway: Gateway, backend: Any, lost: str) -> dict[str, Any]:
+    """Metrics of an attack that did not get its result: each of ``keys`` with value ``None``
+    and a note, for ``attacker.tolerate_llm_failures=true``."""
+    from emma.metrics.base import MetricValue
+
+    note = f"no result: {failure_summary(gateway, backend)}; {lost}"
+    return {k: MetricValue(value=None, n=0, note=note) for k in keys}

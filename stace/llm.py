@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -22,12 +23,52 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from emma.errors import ConfigError, EmmaError
+from emma.results import strip_url_credentials
 
 Message = Mapping[str, str]
 
 
 class LLMError(EmmaError):
-    """An LLM call that failed or returned something unusable."""
+    """An LLM call that failed or returned something unusable.
+
+    Attributes:
+        kind: ``unreachable`` (no connection), ``timeout``, ``http`` (an HTTP error status),
+            ``malformed`` (a response that is not a chat completion, or an empty reply),
+            ``deadline`` (the cell's LLM time is spent) or ``invalid`` (a reply that fails
+            its schema; set by :class:`stace.gateway.Gateway`).
+    """
+
+    def __init__(self, message: str, kind: str = "malformed") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def error_kind(exc: BaseException) -> str:
+    """The :attr:`LLMError.kind` of an exception the openai client raised."""
+    if isinstance(getattr(exc, "status_code", None), int):
+        return "http"
+    name = type(exc).__name__
+    if "Timeout" in name:
+        return "timeout"
+    if "Connection" in name:
+        return "unreachable"
+    return "malformed"
+
+
+def positive(value: Any, name: str, *, integer: bool = False, zero: bool = False) -> Any:
+    """``value`` as a finite number > 0 (``zero``: >= 0), else a one-line :class:`ConfigError`
+    naming the setting ``name``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    ok = math.isfinite(number) and (number >= 0 if zero else number > 0)
+    if integer:
+        ok = ok and number == int(number) and not isinstance(value, bool)
+    if not ok:
+        what = "an integer" if integer else "a finite number"
+        raise ConfigError(f"{name}={value!r}: must be {what} {'>= 0' if zero else '> 0'}")
+    return int(number) if integer else number
 
 
 @dataclasses.dataclass
@@ -73,7 +114,10 @@ class LLMClient:
             key-less local server; the client then sends the placeholder ``"EMPTY"``).
         temperature: default sampling temperature.
         max_tokens: default completion length limit (``None``: the endpoint's default).
-        timeout: seconds per request.
+        timeout: seconds a request may wait for the reply (the read timeout; > 0).
+        connect_timeout: seconds to open a connection (> 0).
+        deadline_s: seconds all requests together may take, from the first one (> 0; ``None``:
+            unbounded); :meth:`set_deadline` replaces it (STACE's gateway: from the attack's start).
         max_retries: retries of transient failures (429, 5xx, timeouts), with exponential
             backoff and jitter; each retry is counted in :class:`ChatResult`.
         seed: default sampling seed, for endpoints that honour it.
@@ -97,27 +141,51 @@ class LLMClient:
         seed: int | None = None,
         backoff_s: float = 1.0,
         per_role_models: bool = False,
+        connect_timeout: float = 10.0,
+        deadline_s: float | None = None,
     ) -> None:
+        if not model or not isinstance(model, str):
+            raise ConfigError(f"llm.model={model!r}: must name the model the endpoint serves")
+        if base_url is not None and not (isinstance(base_url, str)
+                                         and base_url.startswith(("http://", "https://"))):
+            raise ConfigError(f"llm.base_url={strip_url_credentials(str(base_url))!r}: must be an "
+                              "http:// or https:// URL, or null (OpenAI's API)")
         self.model = model
         self.base_url = base_url
         self.api_key_env = api_key_env
-        self.temperature = float(temperature)
-        self.max_tokens = max_tokens
-        self.timeout = float(timeout)
-        self.max_retries = int(max_retries)
+        self.temperature = positive(temperature, "llm.temperature", zero=True)
+        self.max_tokens = None if max_tokens is None else positive(max_tokens, "llm.max_tokens", integer=True)
+        self.timeout = positive(timeout, "llm.timeout")
+        self.connect_timeout = positive(connect_timeout, "llm.connect_timeout")
+        self.max_retries = positive(max_retries, "llm.max_retries", integer=True, zero=True)
         self.seed = seed
-        self.backoff_s = float(backoff_s)
+        self.backoff_s = positive(backoff_s, "llm.backoff_s", zero=True)
         self.per_role_models = bool(per_role_models)
+        self.deadline_s = None if deadline_s is None else positive(deadline_s, "llm.deadline_s")
+        self.deadline: float | None = None  # time.monotonic() past which no request is sent
         self._client: Any = None
 
+    @property
+    def endpoint(self) -> str:
+        """The endpoint's URL without credentials (for messages and records)."""
+        return strip_url_credentials(self.base_url) if self.base_url else "https://api.openai.com/v1"
+
     def __repr__(self) -> str:  # never shows the key
-        return (f"LLMClient(model={self.model!r}, base_url={self.base_url!r}, "
+        return (f"LLMClient(model={self.model!r}, base_url={self.endpoint!r}, "
                 f"api_key_env={self.api_key_env!r})")
 
     def config(self) -> dict[str, Any]:
-        """What to record in results (no secret)."""
-        return {"model": self.model, "base_url": self.base_url, "api_key_env": self.api_key_env,
-                "temperature": self.temperature, "max_tokens": self.max_tokens, "seed": self.seed}
+        """What to record in results (no secret: credentials in the URL are removed)."""
+        return {"model": self.model, "base_url": strip_url_credentials(self.base_url) if self.base_url else None,
+                "api_key_env": self.api_key_env, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "seed": self.seed}
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """No request is sent, and none waits, past ``deadline`` (a ``time.monotonic()``)."""
+        self.deadline = deadline
+
+    def _time_left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
 
     def _api_key(self) -> str:
         if self.api_key_env is None:
@@ -143,7 +211,7 @@ class LLMClient:
                                 "pip install 'emma-harness[llm]'") from exc
             # retries are ours (counted, traced); the openai client's own are switched off
             self._client = openai.OpenAI(api_key=self._api_key(), base_url=self.base_url,
-                                         timeout=self.timeout, max_retries=0)
+                                         timeout=self.timeout, max_retries=0)  # each request sets its own
         return self._client
 
     def complete(
@@ -167,7 +235,8 @@ class LLMClient:
                 enforce; the caller still validates the reply.
 
         Raises:
-            LLMError: a non-transient failure, or transient ones past ``max_retries``.
+            LLMError: a non-transient failure, transient ones past ``max_retries``, a response
+                that is no chat completion, or the deadline (:meth:`set_deadline`) reached.
         """
         kwargs: dict[str, Any] = {
             "model": model or self.model, "messages": [dict(m) for m in messages],
@@ -181,23 +250,36 @@ class LLMClient:
         if schema is not None:
             kwargs["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": str(schema.get("title", "reply")), "schema": schema}}
+        if self.deadline is None and self.deadline_s is not None:
+            self.deadline = time.monotonic() + self.deadline_s
         client = self._openai()
+        import httpx  # the openai package's HTTP client
+
         errors: list[str] = []
         t0 = time.perf_counter()
+        where = f"{kwargs['model']} at {self.endpoint}"
         for attempt in range(self.max_retries + 1):
+            left = self._time_left()
+            if left <= 0:
+                raise LLMError(f"{where}: the cell's LLM time is spent (llm.deadline_s)", "deadline")
             try:
-                response = client.chat.completions.create(**kwargs)
+                timeout = httpx.Timeout(min(self.timeout, left), connect=min(self.connect_timeout, left))
+                response = client.chat.completions.create(**kwargs, timeout=timeout)
                 break
             except Exception as exc:  # the openai package's error classes vary across versions
-                line = f"{type(exc).__name__}: {str(exc)[:160]}"
+                line = f"{type(exc).__name__}: {strip_url_credentials(' '.join(str(exc).split()))[:160]}"
                 if not is_transient(exc) or attempt == self.max_retries:
-                    raise LLMError(f"{kwargs['model']} at {self.base_url or 'api.openai.com'} failed "
-                                   f"after {attempt} retries: {line}") from exc
+                    raise LLMError(f"{where} failed after {attempt} retries: {line}", error_kind(exc)) from exc
                 errors.append(line)
-                time.sleep(min(30.0, self.backoff_s * 2 ** attempt) * (0.5 + random.random() / 2))
-        content = response.choices[0].message.content if response.choices else None
+                wait = min(30.0, self.backoff_s * 2 ** attempt) * (0.5 + random.random() / 2)
+                time.sleep(max(0.0, min(wait, self._time_left())))
+        try:
+            content = response.choices[0].message.content if response.choices else None
+        except (AttributeError, IndexError, TypeError) as exc:  # e.g. an HTML page instead of JSON
+            raise LLMError(f"{where} answered with something that is not a chat completion: "
+                           f"{' '.join(str(response).split())[:120]!r}", "malformed") from exc
         if not content:
-            raise LLMError(f"{kwargs['model']} returned an empty reply")
+            raise LLMError(f"{where} returned an empty reply", "malformed")
         usage = getattr(response, "usage", None)
         return ChatResult(text=content, model=getattr(response, "model", None) or kwargs["model"],
                           prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),

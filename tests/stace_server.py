@@ -21,10 +21,12 @@ def user_message(body: dict) -> str:
 
 
 class Fault:
-    """A scripted failure: ``status`` (an HTTP error) or ``delay_s`` (then the ``text``)."""
+    """A scripted failure: ``status`` (an HTTP error), ``delay_s`` (then the ``text``) or
+    ``raw`` (an HTTP 200 whose body is these bytes, as ``text/html``: not a chat completion)."""
 
-    def __init__(self, status: int | None = None, delay_s: float = 0.0, text: str | None = None) -> None:
-        self.status, self.delay_s, self.text = status, delay_s, text
+    def __init__(self, status: int | None = None, delay_s: float = 0.0, text: str | None = None,
+                 raw: bytes | None = None) -> None:
+        self.status, self.delay_s, self.text, self.raw = status, delay_s, text, raw
 
 
 class ScriptedChatServer:
@@ -34,9 +36,10 @@ class ScriptedChatServer:
         reply: ``reply(body, n_for_model) -> str | Fault``; ``n_for_model`` counts earlier
             requests with the same ``model``.
         key: the bearer token the server demands (401 otherwise).
+        port: the port to listen on (0: any free one).
     """
 
-    def __init__(self, reply: Callable[[dict[str, Any], int], Any], key: str | None = None) -> None:
+    def __init__(self, reply: Callable[[dict[str, Any], int], Any], key: str | None = None, port: int = 0) -> None:
         self.reply = reply
         self.key = key
         self.requests: list[dict[str, Any]] = []
@@ -64,6 +67,8 @@ class ScriptedChatServer:
                         time.sleep(out.delay_s)
                     if out.status:
                         return self._send(out.status, {"error": {"message": f"scripted {out.status}"}})
+                    if out.raw is not None:
+                        return self._send(200, out.raw)
                     out = out.text or ""
                 text = out if isinstance(out, str) else json.dumps(out)
                 self._send(200, {
@@ -73,18 +78,19 @@ class ScriptedChatServer:
                                  "message": {"role": "assistant", "content": text}}],
                     "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}})
 
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
+            def _send(self, status: int, payload: dict[str, Any] | bytes) -> None:
+                raw = isinstance(payload, bytes)
+                data = payload if raw else json.dumps(payload).encode()
                 try:
                     self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Type", "text/html" if raw else "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out first
                     pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -104,10 +110,11 @@ class ScriptedChatServer:
         return [r for r in self.requests if r.get("model") == model]
 
 
-def stace_attacker(url: str, out: Any, role_models: dict[str, str], **settings: Any) -> Any:
+def stace_attacker(url: str, out: Any, role_models: dict[str, str], llm: dict[str, Any] | None = None,
+                   **settings: Any) -> Any:
     """A STACEAttacker on conf/attacker/stace.yaml's settings, talking to the scripted server
     at ``url`` with one model name per role, bound to a cell folder ``out``; ``settings``
-    override the config's (iterations, k, probe_mode, ...)."""
+    override the config's (iterations, k, probe_mode, ...), ``llm`` the LLM config's."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
@@ -120,7 +127,7 @@ def stace_attacker(url: str, out: Any, role_models: dict[str, str], **settings: 
     args["roles"] = {r: {"model": m} for r, m in role_models.items()}
     args.update(settings)  # a test may replace the roles too
     llm = {"_target_": "stace.llm.LLMClient", "model": "m-default", "base_url": url, "api_key_env": None,
-           "timeout": 5, "max_retries": 1, "backoff_s": 0.01}
+           "timeout": 5, "max_retries": 1, "backoff_s": 0.01, **(llm or {})}
     att = STACEAttacker(llm=llm, **args)
     att.bind_cell(output_dir=out, cache_dir=out / "cache", info={"model": "fake", "method": "none"})
     return att

@@ -17,6 +17,7 @@ from stace_server import DiscTarget, ScriptedChatServer, user_message
 from emma.api.types import PromptRequest
 from emma.errors import ConfigError
 from emma.pipelines import TINYWORLD_DIR
+from stace.gateway import LLMFailureError
 
 
 def FakeTarget() -> DiscTarget:  # noqa: N802
@@ -143,11 +144,16 @@ def test_llm_budget_stops_calls_and_unrendered_images_count_as_misses(tmp_path):
         assert len(srv.requests) == 1  # the token budget is spent after the first call
     # one distinct prompt, cycled over the 10 images: all 10 drawn
     _check_sir_i(att, outs, 10, 10)
+    # an LLM that never answers usably leaves the attack without its result: an error, or null metrics
     with ScriptedChatServer(lambda body, n: "not json") as srv:
         att = _make(RedTeamLLMAttacker, srv.url, tmp_path / "b", images=10, max_calls=2)
+        with pytest.raises(LLMFailureError, match=r"2 of 2 LLM calls failed \(0 without a usable reply, 2 invalid"):
+            att.attack(FakeTarget(), _requests("an image of a circle"))
+        att = _make(RedTeamLLMAttacker, srv.url, tmp_path / "c", images=10, max_calls=2, tolerate_llm_failures=True)
         outs = att.attack(FakeTarget(), _requests("an image of a circle"))
-    assert outs == [] and att.extra_metrics()["sir_i"].value == 0 and att.extra_metrics()["sir_i"].n == 10
-    assert any("10 of 10 images" in n for n in att.notes())
+    m = att.extra_metrics()
+    assert outs == [] and m["sir_i"].value is None and m["asr"].value is None and m["llm/invalid"].value == 2
+    assert not att.complete() and any("10 of 10 images were never rendered" in n for n in att.notes())
 
 
 @pytest.mark.parametrize("cls, kw, match", [

@@ -189,3 +189,9 @@ class Attacker(abc.ABC):
     def notes(self) -> list[str]:
         """Lines for results.json's ``notes`` after :meth:`attack` (e.g. failed LLM calls)."""
         return []
+
+    def complete(self) -> bool:
+        """Read after :meth:`attack`. False: the attack's result is partial (e.g. LLM calls
+        failed and its metrics are null); the cell's results.json is written, but the cell is
+        not stored as finished, so the next run attacks again."""
+        return True
