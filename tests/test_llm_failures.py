@@ -54,7 +54,9 @@ def _cell(url: str, out, cache, *extra: str) -> subprocess.CompletedProcess:
     args = ["method=uce", "attacker=stace", "llm=local", "images_per_prompt=1", "prompt_types=[name]",
             "metrics=rates_only", f"llm.base_url={url}", "llm.timeout=2", "llm.max_retries=0",
             "attacker.iterations=2", "attacker.k=2", "attacker.debate_rounds=0", "attacker.probe_mode=plan",
-            *extra, f"hydra.run.dir={out}"]
+            f"hydra.run.dir={out}"]
+    given = {e.split("=")[0] for e in extra}
+    args = [a for a in args if a.split("=")[0] not in given] + list(extra)  # a key is given once
     return subprocess.run([sys.executable, "-m", "emma.run", *args], cwd=ROOT, env=run_env(cache),
                           capture_output=True, text=True, timeout=600)
 
