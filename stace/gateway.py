@@ -401,7 +401,7 @@ def failure_error(name: str, gateway: Gateway, backend: Any, lost: str) -> LLMFa
     if c["invalid"]:
         checks.append(f"that model {model!r} answers in the JSON the prompts ask for (a larger model may)")
     return LLMFailureError(strip_url_credentials(
-        f"{name}: {failure_summary(gateway, backend)}; {lost}. First error: {first[:200]}. "
+        f"{name}: {failure_summary(gateway, backend)}; {lost}. First error: {first[:200].rstrip('.')}. "
         f"Check {' and '.join(checks) or 'the LLM config'}, or set attacker.tolerate_llm_failures=true "
         "to record the attack's metrics as null"))
 
