@@ -33,7 +33,7 @@ def rate_metrics(ctx: CellContext) -> None:
     ctx.metrics = cell_metrics.rate_metrics(ctx.suite, ctx.outputs, seed=ctx.seed)
     if ctx.attack_run is not None and ctx.attacker.resumable:
         ctx.metrics.update(attack_metrics(ctx.attack_run))
-    if ctx.outputs:
+    if ctx.outputs or not ctx.attacker.complete():  # a partial attack reports its null metrics
         ctx.metrics.update(ctx.attacker.extra_metrics())
         ctx.notes += ctx.attacker.notes()
 

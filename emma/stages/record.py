@@ -127,10 +127,6 @@ def versions(ctx: CellContext) -> dict[str, Any]:
 
 
 def record(ctx: CellContext) -> None:
-    complete = ctx.attacker.complete()
-    if not complete and not ctx.outputs:  # rate_metrics adds an attacker's own metrics only beside outputs
-        ctx.metrics.update(ctx.attacker.extra_metrics())
-        ctx.notes += ctx.attacker.notes()
     caveats(ctx)
     out, outputs = ctx.output_dir, ctx.outputs
     cell_counts = counts(ctx)
@@ -149,7 +145,6 @@ def record(ctx: CellContext) -> None:
     attacked = [dataclasses.replace(s, group="attack") for o in outputs for s in o.samples]
     cell_counts["evidence_images"] = write_evidence(ctx.generator, ctx.samples + attacked, out)
     result.save(out / "results.json")  # last: its presence marks a finished cell
-    if finished.enabled(ctx.cfg) and complete:  # a partial attack is not a finished cell
+    if finished.enabled(ctx.cfg) and ctx.attacker.complete():  # a partial attack is not a finished cell
         # key.json records the inputs with secrets and URL credentials removed (the key is ctx.key)
-        key = ctx.key or finished.cell_key(ctx.cfg)
-        finished.store(redact(OmegaConf.to_container(ctx.cfg, resolve=True)), out, key)
+        finished.store(redact(OmegaConf.to_container(ctx.cfg, resolve=True)), out, ctx.key)
