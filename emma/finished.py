@@ -12,9 +12,16 @@ The key is the sha256 of everything a cell's numbers depend on:
   read once; a hub id enters as its name, revision and variant;
 - the versions of the numerical libraries (torch, diffusers, transformers, numpy, scipy).
 
-Layout: ``<cache>/results/<key>/{results.json, samples.jsonl, key.json}``, written to a
-temporary folder and renamed into place. This module imports no torch, so the hit path of
-``python -m emma.run`` stays cheap.
+Layout: ``<cache>/results/<key>/{results.json, samples.jsonl, key.json, manifest.json}``,
+written to a temporary folder and renamed into place. ``manifest.json`` (written last) holds
+the key and the sha256 and size of the other three files; an entry is served only after
+every file matches it, and each copy in the run directory is checked again before it is
+renamed into place, so a truncated or edited stored file never reaches a run directory. A
+damaged or incomplete entry goes through the caches' quarantine (:func:`emma.cache.quarantine`,
+kind ``finished_result``) and the cell is computed again, its notes saying so.
+
+This module imports no torch (nor numpy: :mod:`emma.cache` only on the repair path), so the
+hit path of ``python -m emma.run`` stays cheap.
 """
 
 from __future__ import annotations
@@ -29,12 +36,22 @@ from pathlib import Path
 from typing import Any
 
 from emma import registry
-from emma.files import atomic_write_text, update_with_file
+from emma.errors import EmmaError
+from emma.files import atomic_write_text, sha256_file, update_with_file
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("emma", "methods", "attackers", "classifiers", "stace")
 LIBRARIES = ("torch", "diffusers", "transformers", "numpy", "scipy", "clean-fid", "scikit-image")
-FILES = ("results.json", "samples.jsonl")
+FILES = ("results.json", "samples.jsonl")  # copied into a run directory
+KEY_FILE = "key.json"
+MANIFEST = "manifest.json"
+STORED = (*FILES, KEY_FILE)  # what the manifest vouches for
+MANIFEST_FORMAT = 1
+REPAIR_KIND = "finished_result"
+
+
+class StoredResultChanged(EmmaError):
+    """A stored result that verified at lookup no longer matches its manifest when copied."""
 
 
 def _tree_files(root: Path) -> list[Path]:
@@ -138,46 +155,143 @@ def enabled(cfg: Any) -> bool:
     return bool(cfg["paths"].get("reuse_results", True))
 
 
-def entry(cfg: Any, key: str | None = None) -> Path | None:
-    """The stored result of a cell whose inputs hash to a finished one, else ``None``
-    (``key``: the cell's key when the caller has computed it)."""
+def repair_mark() -> int:
+    """:func:`emma.cache.repair_mark` without importing :mod:`emma.cache` (numpy, PIL) on the
+    hit path: a process that has not imported it has recorded no repair yet."""
+    cache = sys.modules.get("emma.cache")
+    return cache.repair_mark() if cache is not None else 0
+
+
+def damage(found: Path) -> str | None:
+    """What is wrong with the stored entry ``found`` (``None``: every file matches its
+    manifest). An entry without a manifest was stored by a harness that recorded no
+    checksums: it cannot be verified, so it counts as damaged and the cell is computed again."""
+    try:
+        manifest = json.loads((found / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST} (unverifiable: stored without checksums)"
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST} unreadable ({type(err).__name__})"
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return f"{MANIFEST} has an unknown format"
+    if manifest.get("key") != found.name:
+        return f"{MANIFEST} is of key {manifest.get('key')!r}"
+    files = manifest.get("files")
+    for name in STORED:
+        want = files.get(name) if isinstance(files, dict) else None
+        if not isinstance(want, dict):
+            return f"{MANIFEST} does not list {name}"
+        reason = _mismatch(found / name, want, name)
+        if reason:
+            return reason
+    return None
+
+
+def _mismatch(path: Path, want: dict[str, Any], name: str) -> str | None:
+    """Why the file ``path`` is not the one the manifest record ``want`` describes."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{name} missing"
+    if size != want.get("size"):
+        return f"{name} is {size} bytes, the manifest says {want.get('size')}"
+    if sha256_file(path) != want.get("sha256"):
+        return f"{name} differs from its sha256 in the manifest"
+    return None
+
+
+def _quarantine(found: Path, reason: str) -> None:
+    """Move the entry ``found`` (``<cache>/results/<key>``) to the caches' quarantine."""
+    from emma.cache import quarantine  # numpy, PIL: only when a stored result is damaged
+
+    quarantine(found, found.parent.parent, REPAIR_KIND, reason)
+
+
+def entry(cfg: Any, key: str | None = None, *, repair: bool = False) -> Path | None:
+    """The stored result of a cell whose inputs hash to a finished one, verified against its
+    manifest, else ``None``.
+
+    Args:
+        cfg: the cell's configuration.
+        key: the cell's key when the caller has computed it.
+        repair: move a damaged or incomplete entry to the quarantine (recorded for the cell's
+            notes; the cell then computes and stores it again). Without it a damaged entry is
+            only not served: a pre-flight check leaves the repair to the cell itself.
+    """
     if not enabled(cfg):
         return None
     found = cache_dir(cfg) / "results" / (key or cell_key(cfg))
-    return found if all((found / f).is_file() for f in FILES) else None
+    if not found.is_dir():
+        return None
+    reason = damage(found)
+    if reason is None:
+        return found
+    if repair:
+        _quarantine(found, reason)
+    return None
 
 
 def lookup(cfg: Any, output_dir: str | os.PathLike) -> Path | None:
     """If the cell's inputs hash to a stored result, copy its files into ``output_dir`` and
-    return the path of the copied ``results.json``; else ``None``."""
-    found = entry(cfg)
+    return the path of the copied ``results.json``; else ``None`` (a damaged entry is
+    quarantined)."""
+    found = entry(cfg, repair=True)
     return None if found is None else serve(found, output_dir)
 
 
 def serve(found: Path, output_dir: str | os.PathLike) -> Path:
-    """Copy a stored result's files into ``output_dir``; the path of the copied results.json."""
+    """Copy a stored result's files into ``output_dir``; the path of the copied results.json.
+
+    Each copy is checked against the manifest before any is renamed into place: a stored file
+    damaged since :func:`entry` verified it leaves the run directory as it was, moves the
+    entry to the quarantine and raises :class:`StoredResultChanged`."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for f in reversed(FILES):  # results.json last: its presence marks a finished cell
-        tmp = out / f".{f}.{os.getpid()}.tmp"
-        shutil.copyfile(found / f, tmp)
-        os.replace(tmp, out / f)
+    tmps = {f: out / f".{f}.{os.getpid()}.tmp" for f in FILES}
+    try:
+        try:
+            files = json.loads((found / MANIFEST).read_text())["files"]
+            for f, tmp in tmps.items():
+                shutil.copyfile(found / f, tmp)
+            reason = next((r for f, tmp in tmps.items() if (r := _mismatch(tmp, files[f], f))), None)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            reason = f"unreadable while served ({type(err).__name__}: {err})"
+        if reason is not None:
+            _quarantine(found, reason)
+            raise StoredResultChanged(
+                f"the stored result {found} changed while it was served ({reason}); it was moved to the "
+                "quarantine and nothing was written to the run directory: run the same command again "
+                "to compute the cell")
+        for f in reversed(FILES):  # results.json last: its presence marks a finished cell
+            os.replace(tmps[f], out / f)
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
     return out / "results.json"
 
 
 def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Path:
-    """Store a finished cell's files under its key (``key`` as computed before the run)."""
+    """Store a finished cell's files under its key (``key`` as computed before the run), with
+    the manifest that :func:`entry` verifies (an intact entry with this key is kept, a damaged
+    one quarantined and replaced)."""
     key = key or cell_key(cfg)
     root = cache_dir(cfg) / "results"
     dest = root / key
     if dest.exists():
-        return dest
+        reason = damage(dest)
+        if reason is None:
+            return dest
+        _quarantine(dest, reason)
     tmp = root / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f in FILES:
         shutil.copyfile(Path(output_dir) / f, tmp / f)
-    (tmp / "key.json").write_text(json.dumps(cell_inputs(cfg), sort_keys=True, indent=1, default=str))
+    atomic_write_text(tmp / KEY_FILE, json.dumps(cell_inputs(cfg), sort_keys=True, indent=1, default=str))
+    # last, hashed from the stored copies: the manifest vouches for what the entry holds
+    manifest = {"format": MANIFEST_FORMAT, "key": key,
+                "files": {f: {"sha256": sha256_file(tmp / f), "size": (tmp / f).stat().st_size} for f in STORED}}
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     try:
         os.replace(tmp, dest)
     except OSError:  # stored concurrently by another job: identical inputs, identical entry

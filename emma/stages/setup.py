@@ -68,13 +68,13 @@ def setup(cfg: DictConfig, *, validated: bool = False, lookup: bool = True) -> C
     """
     cache_root = Path(cfg.paths.cache_dir).expanduser()
     key = finished.cell_key(cfg)  # inputs as they are now, before anything runs
-    ctx = CellContext(cfg=cfg, cache_root=cache_root, key=key, seed=int(cfg.seed),
-                      finished=finished.entry(cfg, key) if lookup else None)
+    mark = finished.repair_mark()  # before the lookup: a damaged stored result it repairs is noted
+    ctx = CellContext(cfg=cfg, cache_root=cache_root, key=key, seed=int(cfg.seed), repairs_mark=mark,
+                      finished=finished.entry(cfg, key, repair=True) if lookup else None)
     if ctx.finished is not None:
         return ctx
     import torch
 
-    from emma.cache import repair_mark
     from emma.validate import check_cell
     from emma.weights import ENV_CACHE
 
@@ -83,7 +83,6 @@ def setup(cfg: DictConfig, *, validated: bool = False, lookup: bool = True) -> C
         check_cell(cfg)  # every setting, before any work (threads=0 is refused here, not by torch)
     if cfg.get("threads") is not None:
         torch.set_num_threads(int(cfg.threads))
-    ctx.repairs_mark = repair_mark()
     t = time.perf_counter()
     build_components(ctx)
     ctx.timing["setup_s"] = time.perf_counter() - t
