@@ -71,6 +71,11 @@ def _write_error(out: str | Path, err: BaseException) -> None:
     }, indent=2) + "\n")
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _metric_values(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v["value"] for k, v in data["metrics"].items()}
 
@@ -139,12 +144,23 @@ def main(cfg: DictConfig) -> dict | None:
     out = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
     done = Path(out) / "results.json"
-    if multirun and done.exists() and not cfg.get("overwrite", False):
-        # re-running a sweep resumes it: a finished cell keeps its results.json untouched
-        print(f"results: {done} (finished cell of this sweep, kept)")
-        return _metric_values(json.loads(done.read_text()))
+    overwrite = bool(cfg.get("overwrite", False))
+    if multirun and done.exists() and not overwrite:
+        # re-running a sweep resumes it: a finished cell keeps its results.json untouched; one
+        # that is not a finished cell's results (a truncated or foreign file) runs again over it
+        from emma.results import CellResult
+
+        try:
+            kept = CellResult.load(done)
+        except (EmmaError, ValueError, TypeError, KeyError) as err:
+            print(f"warning: {done} is not a finished cell's results ({_first_line(err)}); "
+                  "running the cell again", file=sys.stderr)
+            overwrite = True
+        else:
+            print(f"results: {done} (finished cell of this sweep, kept)")
+            return {k: v.value for k, v in kept.metrics.items()}
     try:
-        check_output_dir(out, bool(cfg.get("overwrite", False)))
+        check_output_dir(out, overwrite)
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
