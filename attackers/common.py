@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
+from emma.cache import stable_hash
 from emma.errors import ConfigError, UnknownChoiceError
 from emma.token_search import (  # noqa: F401 (re-exported: the attackers' shared pieces)
     INSERTIONS,
@@ -37,6 +38,18 @@ def check_vocabulary(what: str, vocabulary: Any) -> str | list[str]:
     if not words:
         raise ConfigError(f"{what} vocabulary: give 'all', 'domain' or a non-empty list of words")
     return words
+
+
+class VocabularyCacheInputs:
+    """``cache_inputs`` of an attacker with a ``vocabulary`` setting: with ``"domain"`` the
+    candidate tokens come from the domain's prompts, so they key the attack cache."""
+
+    vocabulary: str | list[str]
+
+    def cache_inputs(self, target: Any) -> dict[str, Any]:
+        if self.vocabulary == "domain":
+            return {"domain_prompts": stable_hash(list(target.domain_prompts()))}
+        return {}
 
 
 def candidate_token_ids(wb: Any, vocabulary: str | Sequence[str], target: Any, what: str) -> torch.Tensor | None:

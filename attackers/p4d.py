@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from attackers.common import (
     RequestState,
+    VocabularyCacheInputs,
     after_every,
     build_sequences,
     candidate_token_ids,
@@ -43,7 +44,7 @@ from emma.errors import UnknownChoiceError
 VARIANTS = ("n", "k")
 
 
-class P4DAttacker(Attacker):
+class P4DAttacker(VocabularyCacheInputs, Attacker):
     """P4D-N / P4D-K.
 
     Args:

@@ -25,14 +25,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from attackers.common import RequestState, candidate_token_ids, check_positive, check_vocabulary, share_time
+from attackers.common import (
+    RequestState,
+    VocabularyCacheInputs,
+    candidate_token_ids,
+    check_positive,
+    check_vocabulary,
+    share_time,
+)
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest
 from emma.attack import judged_outputs
 from emma.errors import ConfigError
 
 
-class RingABellAttacker(Attacker):
+class RingABellAttacker(VocabularyCacheInputs, Attacker):
     """Ring-A-Bell.
 
     Args:

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from attackers.common import (
     RequestState,
     StraightThroughSample,
+    VocabularyCacheInputs,
     build_sequences,
     candidate_token_ids,
     check_insertion,
@@ -58,7 +59,7 @@ def sampled_timesteps(n: int, num_train_timesteps: int = 1000) -> list[int]:
     return list(range(stride // 2, num_train_timesteps, stride))[:n]
 
 
-class UnlearnDiffAtkAttacker(Attacker):
+class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
     """UnlearnDiffAtk.
 
     Args:

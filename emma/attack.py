@@ -264,16 +264,14 @@ class AttackCache:
         sweep_stale_tmp(self.root)
 
     def key(self, target: AttackTarget, attacker: Attacker, request: PromptRequest) -> str:
-        judge = getattr(target, "judge", None)
         key = {
             "model": target.fingerprint,
             "sampler": dataclasses.asdict(target.sampler),
-            "judge": judge.classifier.cache_key() if judge is not None else None,
+            "judge": target.judge_key(),
             "attacker": attacker.config(),
             "request": dataclasses.asdict(request),
+            **attacker.cache_inputs(target),
         }
-        if getattr(attacker, "vocabulary", None) == "domain":  # the candidate tokens come from the domain
-            key["domain_prompts"] = stable_hash(list(target.domain_prompts()))
         return stable_hash(key)
 
     def path(self, key: str) -> Path:
@@ -311,7 +309,7 @@ def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[Prom
             o.cached = True
             outputs[i] = o
     todo = [i for i in range(len(requests)) if outputs[i] is None]
-    per_batch = int(getattr(attacker, "requests_per_batch", 0) or 0) or max(1, len(todo))
+    per_batch = int(attacker.requests_per_batch or 0) or max(1, len(todo))
     bar = tqdm(total=len(requests), initial=len(done_idx), desc=f"attack: {attacker.name}", unit="prompt")
     for s in range(0, len(todo), per_batch):
         idx = todo[s : s + per_batch]

@@ -298,3 +298,6 @@ class GenerationTarget:
 
     def excluded(self, probs: torch.Tensor) -> torch.Tensor | None:
         return self.judge.classifier.excluded(probs)
+
+    def judge_key(self) -> str:
+        return self.judge.classifier.cache_key()

@@ -112,7 +112,7 @@ def bias_metrics(base: dict[str, dict[str, torch.Tensor]], erased: dict[str, dic
         b, e = base[bset.attribute], erased[bset.attribute]
         for group in bset.compared:
             for sim in sims:
-                name = getattr(sim, "name", type(sim).__name__.lower())
+                name = sim.name
                 sb = {"neutral": b["neutral"], "reference": b[bset.reference], "attribute": b[group]}
                 se = {"neutral": e["neutral"], "reference": e[bset.reference], "attribute": e[group]}
                 if pairing == PAIRED:

@@ -112,6 +112,9 @@ class AttackTarget(ImageSource, Protocol):
     def excluded(self, probs: torch.Tensor) -> torch.Tensor | None:
         """Images the judge has no verdict on (GCD: no face), or ``None``: every image judged."""
 
+    def judge_key(self) -> str:
+        """The judge's identity (its score-cache key): finished attacks are cached per judge."""
+
     def white_box(self) -> WhiteBoxModel:
         """The erased model, differentiable. Raises :class:`AttackTargetError` when the
         target has none (e.g. a black-box API)."""
@@ -189,6 +192,12 @@ class Attacker(abc.ABC):
     def notes(self) -> list[str]:
         """Lines for results.json's ``notes`` after :meth:`attack` (e.g. failed LLM calls)."""
         return []
+
+    def cache_inputs(self, target: AttackTarget) -> dict[str, Any]:
+        """What the attack's outputs depend on beyond :meth:`config`, the target's model,
+        sampler and judge, and the request: keys of the attack cache (e.g. the domain's
+        prompts when the candidate tokens come from them). None by default."""
+        return {}
 
     def complete(self) -> bool:
         """Read after :meth:`attack`. False: the attack's result is partial (e.g. LLM calls
