@@ -136,6 +136,13 @@ def quarantine(path: str | os.PathLike, cache_root: str | os.PathLike, kind: str
     return repair
 
 
+def heal_shard(folder: Path, cache_root: Path, kind: str) -> None:
+    """Quarantine a file standing where the shard folder ``folder`` of an entry should be
+    (every write into it would fail), so the entry's write can create the folder."""
+    if folder.exists() and not folder.is_dir():
+        quarantine(folder, cache_root, kind, f"{folder.name} is a file where the cache keeps a folder of entries")
+
+
 def stable_hash(obj: Any) -> str:
     """sha256 of a JSON-serialisable object with sorted keys."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
@@ -264,6 +271,7 @@ class ImageCache:
         info.add_text(self.CHUNK, json.dumps(record, sort_keys=True))
         buf = io.BytesIO()
         Image.fromarray(image).save(buf, format="PNG", compress_level=1, pnginfo=info)
+        heal_shard(self.path(key).parent, self.cache_root, "image")
         atomic_write_bytes(self.path(key), buf.getvalue(), fsync=False)
         return digest
 
@@ -326,6 +334,7 @@ class ScoreCache:
         record = {"format": ENTRY_FORMAT, "image": image_hash, "sha256": sha256_bytes(probs.tobytes())}
         buf = io.BytesIO()
         np.savez(buf, probs=probs, record=np.array(json.dumps(record, sort_keys=True)))
+        heal_shard(self.path(image_hash).parent, self.cache_root, "score")
         atomic_write_bytes(self.path(image_hash), buf.getvalue(), fsync=False)
 
 

@@ -475,10 +475,24 @@ def resolve_weights(spec: str | os.PathLike[str], default_entry: str | None = No
     hint = ""
     if default_entry is not None:
         hint = "\n" + download_instructions(get_entry(default_entry))
-    raise WeightsUnavailableError(
-        f"weights {spec_s!r} are neither a registry entry nor an existing file or folder. "
-        f"Registry entries: {', '.join(sorted(REGISTRY))}.{hint}"
-    )
+    entries = ", ".join(sorted(REGISTRY))
+    if path.is_dir():
+        what = f"weights folder {spec_s!r} holds no files"
+    elif looks_like_path(spec_s):
+        what = f"weights path {spec_s!r} does not exist ({path.absolute()})"
+    else:
+        what = f"weights {spec_s!r} are neither a registry entry nor an existing file or folder"
+    raise WeightsUnavailableError(f"{what}. Give an existing file or folder, or a registry entry: {entries}.{hint}")
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` names a place on this machine rather than a registry entry or a hub
+    id (``org/name``): it exists, is absolute, starts with ``.`` or ``~``, or has more than
+    one ``/`` or a backslash. Error messages use it to say "does not exist" instead of
+    advising a download."""
+    s = spec.strip()
+    return (Path(s).expanduser().exists() or os.path.isabs(s) or s.startswith((".", "~"))
+            or s.count("/") > 1 or "\\" in s)
 
 
 def fetch(

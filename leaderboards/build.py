@@ -75,6 +75,7 @@ def build(runs: Sequence[str | Path], out: str | Path, *, split_versions: bool =
           force: bool = False) -> Board:
     """Build the leaderboard of ``runs`` into ``out`` (see the module docstring)."""
     out = Path(out)
+    _check_out(out)
     results, errors = find_result_files(runs)
     if not results and not errors:
         raise LeaderboardError(f"no results.json under {', '.join(map(str, runs))}")
@@ -173,6 +174,17 @@ def _render_plots(out: Path, tables: list[Table], cells: list[Cell], old: dict[s
         if old.get(key) != new[key] or not path.exists():
             plot_asr(asr, path)
     return new
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output path that cannot become a folder (it, or the nearest existing folder
+    above it, is a file) before any result is read."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == out else f"is under {str(p)!r}, which is a file"
+                raise LeaderboardError(f"--out {str(out)!r} {what}; give a folder (new or existing)")
+            return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
