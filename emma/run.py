@@ -11,18 +11,21 @@ known then; 130 interrupted (Ctrl-C; the cache keeps every finished image); 1 a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from emma import registry
-from emma.errors import EmmaError, UnknownChoiceError
+from emma.errors import ConfigError, EmmaError, UnknownChoiceError
 from emma.registry import register_configs
 from emma.validate import (
     check_output_dir,
@@ -69,6 +72,58 @@ def _write_error(out: str | Path, err: BaseException) -> None:
         "error": f"{type(err).__name__}: {err}",
         "traceback": "".join(traceback.format_exception(err))[-8000:],
     }, indent=2) + "\n")
+
+
+RUN_DIR_LOCK = ".emma-cell.lock"
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds a run directory's lock, from what it wrote into the lock file."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"pid {info['pid']} on {info['host']}, cell: {info['cell'] or '(defaults)'}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not written its pid yet)"
+
+
+@contextlib.contextmanager
+def claim_run_dir(out: str | Path, cell: str) -> Iterator[None]:
+    """Hold ``<out>/.emma-cell.lock`` while a cell runs there, so that a second cell started
+    into the same directory is refused instead of mixing its images and results into this
+    one's. The lock is an exclusive ``flock``: the kernel releases it when its process ends,
+    however it ends, so a lock file left by a dead process is simply taken over. The file
+    holds the holder's pid, host and overrides for the refusal's message."""
+    import fcntl
+    import socket
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RUN_DIR_LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise ConfigError(f"run directory {out} is in use by another cell ({holder}); wait for it to "
+                              "end, or choose another hydra.run.dir") from None
+        try:
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # the holder ended and removed this file while we opened it: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "cell": cell})
+                       + "\n").encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        os.close(fd)
 
 
 def _first_line(err: BaseException) -> str:
@@ -143,6 +198,22 @@ def main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     out = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
+    with contextlib.ExitStack() as claimed:
+        _claim_or_exit(claimed, out, list(hc.overrides.task))
+        return _job(cfg, out, multirun)
+
+
+def _claim_or_exit(stack: contextlib.ExitStack, out: str | Path, overrides: list[str]) -> None:
+    """Claim the run directory for the rest of ``stack`` (:func:`claim_run_dir`), or exit 2 with
+    a one-line error naming the cell that holds it."""
+    try:
+        stack.enter_context(claim_run_dir(out, " ".join(overrides)))
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
     done = Path(out) / "results.json"
     overwrite = bool(cfg.get("overwrite", False))
     if multirun and done.exists() and not overwrite:
@@ -191,21 +262,34 @@ def run_one(overrides: list[str]) -> None:
         check_output_dirs(overrides, multirun=False)
         with open_dict(full):
             full.hydra.mode = RunMode.RUN
-        job = run_job(hydra_context=HydraContext(config_loader=GlobalHydra.instance().config_loader(),
-                                                 callbacks=Callbacks(full)),
-                      task_function=lambda task_cfg: _run_task(task_cfg, ctx),
-                      config=full, job_dir_key="hydra.run.dir", job_subdir_key=None)
+        with contextlib.ExitStack() as claimed:
+            try:  # the run directory, fixed now: claimed before Hydra writes its .hydra/ there
+                run_dir = str(OmegaConf.select(full, "hydra.run.dir", throw_on_missing=True))
+            except Exception:  # noqa: BLE001 - a resolver that needs a running job: claimed in it
+                run_dir = None
+            if run_dir is not None:
+                with open_dict(full):
+                    full.hydra.run.dir = run_dir
+                _claim_or_exit(claimed, run_dir, overrides)
+            job = run_job(hydra_context=HydraContext(config_loader=GlobalHydra.instance().config_loader(),
+                                                     callbacks=Callbacks(full)),
+                          task_function=lambda task_cfg: _run_task(task_cfg, ctx, run_dir is not None),
+                          config=full, job_dir_key="hydra.run.dir", job_subdir_key=None)
     job.return_value  # noqa: B018 - re-raises the task's exception
 
 
-def _run_task(cfg: DictConfig, ctx: Any) -> dict | None:
-    out = HydraConfig.get().runtime.output_dir
-    try:
-        check_output_dir(out, bool(cfg.get("overwrite", False)))
-    except EmmaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    return execute(cfg, out, ctx)
+def _run_task(cfg: DictConfig, ctx: Any, claimed: bool) -> dict | None:
+    hc = HydraConfig.get()
+    out = hc.runtime.output_dir
+    with contextlib.ExitStack() as stack:
+        if not claimed:
+            _claim_or_exit(stack, out, list(hc.overrides.task))
+        try:
+            check_output_dir(out, bool(cfg.get("overwrite", False)))
+        except EmmaError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        return execute(cfg, out, ctx)
 
 
 def scale_alias(argv: list[str]) -> list[str]:

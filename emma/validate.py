@@ -795,10 +795,12 @@ def check_output_dirs(overrides: Sequence[str], multirun: bool) -> None:
     is not refused: running a sweep again into its folder resumes it, and each finished cell
     keeps its results.json (emma/run.py). Default directories carry a timestamp."""
     values = dict(o.split("=", 1) for o in overrides if "=" in o)
-    if values.get("overwrite", "false").lower() == "true" or multirun:
-        return  # a sweep run again into its folder resumes it: finished cells keep their results
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     folder = values.get(key)
+    if folder and "$" not in folder:
+        check_writable_dir(key, folder)
+    if values.get("overwrite", "false").lower() == "true" or multirun:
+        return  # a sweep run again into its folder resumes it: finished cells keep their results
     if not folder or "$" in folder:
         return
     found = sorted(Path(folder).expanduser().rglob("results.json")) if multirun else \
@@ -808,6 +810,20 @@ def check_output_dirs(overrides: Sequence[str], multirun: bool) -> None:
             f"{key}={folder} already holds results.json of an earlier "
             f"{'sweep' if multirun else 'cell'} ({found[0]}{', ...' if len(found) > 1 else ''}); choose another "
             f"{key}, or add overwrite=true to replace it")
+
+
+def check_writable_dir(key: str, folder: str) -> None:
+    """Refuse an output folder that is a file, or under a file, or that cannot be created or
+    written (Hydra would fail with a traceback when it writes ``.hydra/`` there)."""
+    path = Path(folder).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={folder} is a file; give a folder")
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={folder} is inside {existing}, which is a file; give a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        reason = "read-only" if existing == path else f"{existing} is read-only"
+        raise ConfigError(f"cannot write to {key}={folder} ({reason}); give a folder you can write to")
 
 
 def check_output_dir(output_dir: str | os.PathLike, overwrite: bool) -> None:
