@@ -35,7 +35,7 @@ import torch
 from emma.api.domain import Domain
 from emma.api.method import OTHERS, ErasureMethod
 from emma.cache import DamagedEntry, quarantine, stable_hash, sweep_stale_tmp
-from emma.errors import ConfigError, NonFiniteError
+from emma.errors import ConfigError, NonFiniteError, first_line
 from emma.files import TMP_SUFFIX, atomic_write_text, sha256_file
 from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint, freeze
@@ -89,11 +89,6 @@ def _load_component(pipe: Any, name: str, folder: Path) -> None:
     setattr(pipe, name, module.to(current.device).requires_grad_(False))  # as load_pipeline leaves it
 
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
 def _manifest_checksum(manifest: dict[str, Any]) -> str:
     return stable_hash({k: v for k, v in manifest.items() if k != "checksum"})
 
@@ -103,7 +98,7 @@ def _verified_manifest(entry: Path, key: str) -> dict[str, Any]:
     try:
         manifest = json.loads((entry / "manifest.json").read_text())
     except (OSError, ValueError) as err:
-        raise DamagedEntry(f"manifest.json unreadable: {_first_line(err)}") from None
+        raise DamagedEntry(f"manifest.json unreadable: {first_line(err)}") from None
     if not isinstance(manifest, dict) or manifest.get("key") != key:
         raise DamagedEntry("manifest.json belongs to another entry")
     if manifest.get("checksum") != _manifest_checksum(manifest) or not isinstance(manifest.get("files"), dict):
@@ -188,7 +183,7 @@ def _load_verified(pipe: Any, method: ErasureMethod, key: str, entry: Path,
         check_finite_weights(pipe, manifest["components"], f"cached erased model {entry}")
         return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]), True, manifest)
     except (DamagedEntry, NonFiniteError, OSError, ValueError, KeyError, RuntimeError) as err:
-        quarantine(entry, cache_root, "erased_model", f"{type(err).__name__}: {_first_line(err)}")
+        quarantine(entry, cache_root, "erased_model", f"{type(err).__name__}: {first_line(err)}")
         for comp, module in originals.items():  # undo a partial load: back to the base
             setattr(pipe, comp, module)
         return None

@@ -6,6 +6,12 @@ import difflib
 from typing import Iterable
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name when the message is empty)."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
 class EmmaError(Exception):
     """Base class of the harness's user-facing errors (printed without a traceback)."""
 

@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from emma import registry
-from emma.errors import ConfigError, EmmaError, UnknownChoiceError
+from emma.errors import ConfigError, EmmaError, UnknownChoiceError, first_line
 from emma.registry import register_configs
 from emma.validate import (
     check_output_dir,
@@ -126,11 +126,6 @@ def claim_run_dir(out: str | Path, cell: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _metric_values(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v["value"] for k, v in data["metrics"].items()}
 
@@ -224,7 +219,7 @@ def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
         try:
             kept = CellResult.load(done)
         except (EmmaError, ValueError, TypeError, KeyError) as err:
-            print(f"warning: {done} is not a finished cell's results ({_first_line(err)}); "
+            print(f"warning: {done} is not a finished cell's results ({first_line(err)}); "
                   "running the cell again", file=sys.stderr)
             overwrite = True
         else:

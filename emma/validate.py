@@ -36,7 +36,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from emma import registry
 from emma.api.types import EA_TYPES, RA_TYPES
 from emma.config import to_python
-from emma.errors import ConfigError, EmmaError, UnknownChoiceError
+from emma.errors import ConfigError, EmmaError, UnknownChoiceError, first_line
 
 #: Upper bounds that keep a typo (``images_per_prompt=1000000000``) from eating the machine.
 MAX_IMAGES_PER_PROMPT = 10_000
@@ -372,7 +372,7 @@ def _check_domain_and_classifier(cfg: DictConfig, out: list[Violation]) -> None:
         domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
     except Exception as err:  # noqa: BLE001 - reported as a violation, not a traceback
         cause = err.__cause__ if isinstance(err.__cause__, EmmaError) else err
-        out.append(Violation("domain", _get(cfg.domain, "name", "?"), f"cannot be built: {_first_line(cause)}"))
+        out.append(Violation("domain", _get(cfg.domain, "name", "?"), f"cannot be built: {first_line(cause)}"))
         return
     concept = _get(cfg, "concept")
     name = concept if concept is not None else domain.default_concept
@@ -403,11 +403,6 @@ def _check_domain_and_classifier(cfg: DictConfig, out: list[Violation]) -> None:
         _check_component("classifier", classifier, out)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
 def validate_cell(cfg: DictConfig) -> list[Violation]:
     """Every violation of a composed cell config (empty when it can run)."""
     out: list[Violation] = []
@@ -417,7 +412,7 @@ def validate_cell(cfg: DictConfig) -> list[Violation]:
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
     except Exception as err:  # noqa: BLE001 - an interpolation that does not resolve
-        return [Violation("config", "?", f"does not resolve: {_first_line(err)}")]
+        return [Violation("config", "?", f"does not resolve: {first_line(err)}")]
     plain.pop("hydra", None)
     _check_finite(plain, "", out)
     _check_root(cfg, out)
@@ -478,7 +473,7 @@ def _parse_each(overrides: Sequence[str], out: list[Violation]) -> list[str]:
         try:
             parser.parse_overrides([ov])
         except Exception as err:  # noqa: BLE001 - Hydra's grammar errors have several types
-            msg = _first_line(err)
+            msg = first_line(err)
             out.append(Violation(ov.split("=", 1)[0], ov.split("=", 1)[1] if "=" in ov else "",
                                  f"does not parse ({msg}); quote values with spaces or brackets, "
                                  "e.g. 'concept=\"a b\"'"))
@@ -653,8 +648,8 @@ def _explain_compose_error(err: BaseException, overrides: Sequence[str],
         return culprit, Violation(name, value, f"unknown key; {_did_you_mean(key.rpartition('.')[2], valid)}"
                                                f"valid keys at {where}: {', '.join(sorted(valid))}")
     if cause is not None and type(cause).__name__ == "ValidationError":
-        return culprit, Violation(name, value, _first_line(cause).replace("Value ", "value ", 1))
-    return culprit, Violation(name, value, _first_line(err))
+        return culprit, Violation(name, value, first_line(cause).replace("Value ", "value ", 1))
+    return culprit, Violation(name, value, first_line(err))
 
 
 def is_multirun(argv: Sequence[str]) -> bool:
