@@ -243,18 +243,20 @@ def run_one(overrides: list[str]) -> None:
     from hydra.types import HydraContext, RunMode
     from omegaconf import open_dict
 
-    from emma.stages.setup import setup
+    from emma.stages.setup import build_components, setup
 
     with registry.hydra_context():
         full = validate_overrides(overrides, defer=True)
         cfg = without_hydra(full)
         try:
-            ctx = setup(cfg)
+            ctx = setup(cfg, build=False)  # lookup and validation: cheap
+            check_output_dirs(overrides, multirun=False)  # before the judges' weights load
+            if ctx.finished is None:
+                build_components(ctx)
         except Exception as err:
             if _user_error(err) is None:
                 raise
             raise _user_error(err) from None
-        check_output_dirs(overrides, multirun=False)
         with open_dict(full):
             full.hydra.mode = RunMode.RUN
         with contextlib.ExitStack() as claimed:

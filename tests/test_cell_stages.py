@@ -149,3 +149,20 @@ def test_no_function_in_the_cell_path_is_long():
                 length = node.end_lineno - node.lineno + 1
                 limit = 40 if node.name == "run_cell" else 60
                 assert length <= limit, f"{path.name}:{node.name} has {length} lines"
+
+
+def test_a_taken_run_directory_is_refused_before_the_components_are_built(tmp_path, monkeypatch, capsys):
+    """The output-directory check is cheap; building the judges loads their weights: the check
+    comes first, after the lookup and the validation."""
+    from emma.stages import setup as setup_module
+
+    monkeypatch.setenv("EMMA_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "results.json").write_text("{}")
+    counts: dict[str, int] = {}
+    _counting(monkeypatch, setup_module, "build_components", counts)
+    with pytest.raises(SystemExit) as exit_:
+        _cli(monkeypatch, [*FAST, f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'taken'}"])
+    assert exit_.value.code == 2
+    assert "already holds results.json" in capsys.readouterr().err
+    assert counts == {}

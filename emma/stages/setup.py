@@ -56,15 +56,16 @@ class Judges:
         return list(self._judges.values())
 
 
-def setup(cfg: DictConfig, *, validated: bool = False, lookup: bool = True) -> CellContext:
+def setup(cfg: DictConfig, *, lookup: bool = True, build: bool = True) -> CellContext:
     """The cell's context: finished-cell lookup, then (for a cell that runs) validation and
     its components.
 
     Args:
         cfg: the composed cell configuration.
-        validated: the caller has already checked ``cfg`` (:func:`emma.validate.check_cell`).
         lookup: serve a finished cell with the same inputs (``False``: build the components
             anyway, for callers that run some stages themselves).
+        build: build the components (``False``: the caller checks something cheap first,
+            then calls :func:`build_components`).
     """
     cache_root = Path(cfg.paths.cache_dir).expanduser()
     key = finished.cell_key(cfg)  # inputs as they are now, before anything runs
@@ -79,13 +80,11 @@ def setup(cfg: DictConfig, *, validated: bool = False, lookup: bool = True) -> C
     from emma.weights import ENV_CACHE
 
     os.environ[ENV_CACHE] = str(cache_root)  # one root: weights, FID statistics, downloads follow it
-    if not validated:
-        check_cell(cfg)  # every setting, before any work (threads=0 is refused here, not by torch)
+    check_cell(cfg)  # every setting, before any work (threads=0 is refused here, not by torch)
     if cfg.get("threads") is not None:
         torch.set_num_threads(int(cfg.threads))
-    t = time.perf_counter()
-    build_components(ctx)
-    ctx.timing["setup_s"] = time.perf_counter() - t
+    if build:
+        build_components(ctx)
     return ctx
 
 
@@ -94,6 +93,7 @@ def build_components(ctx: CellContext) -> None:
     cannot judge a request's concept is refused here, before any image is drawn."""
     import hydra
 
+    t = time.perf_counter()
     cfg = ctx.cfg
     ctx.domain = domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
     ctx.concept = domain.concept(domain.default_concept if cfg.concept is None else cfg.concept).name
@@ -111,3 +111,4 @@ def build_components(ctx: CellContext) -> None:
                 f"{req.prompt!r}); its labels: {', '.join(labels[:20])}{', ...' if len(labels) > 20 else ''}. "
                 "Choose another classifier=..."
             )
+    ctx.timing["setup_s"] = time.perf_counter() - t
