@@ -2,6 +2,12 @@
 scheduler, 20 steps, guidance 5, batch 32) and of classification (the tiny-world judge).
 
     python scripts/bench_tinyworld.py [--n 128] [--threads 2]
+    python scripts/bench_tinyworld.py --vs-unet v1 --threads 1 --repeats 3
+
+``--vs-unet v1`` times, side by side in one run, the shipped pipeline and the same pipeline with
+the first tiny world's UNet architecture (``arch.UNET_CONFIG_V1``, random weights: the time of a
+forward pass does not depend on the weights), alternating them ``--repeats`` times, and prints
+the ratio of their best images/s.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ if str(ROOT) not in sys.path:
 
 
 from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
-from emma import registry
+from emma import registry  # noqa: E402
 from emma.pipelines import load_pipeline  # noqa: E402
+from emma.tinyworld import arch  # noqa: E402
 from emma.tinyworld.world import SHAPES, render_batch, sample_specs  # noqa: E402
 
 
@@ -28,6 +35,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--vs-unet", choices=["v1"], default=None,
+                   help="also time the first tiny world's UNet architecture, side by side")
+    p.add_argument("--repeats", type=int, default=3, help="alternating timings per pipeline (--vs-unet)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -36,7 +46,7 @@ def main(argv=None) -> None:
     prompts = [f"an image of a {SHAPES[i % len(SHAPES)]}" for i in range(args.n)]
     bs = int(cfg.batch_size)
 
-    def generate(lo: int, hi: int) -> torch.Tensor:
+    def generate(lo: int, hi: int, pipe=pipe) -> torch.Tensor:
         out = []
         for i in range(lo, hi, bs):
             gens = [torch.Generator().manual_seed(s) for s in range(i, min(i + bs, hi))]
@@ -49,6 +59,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     images = generate(0, args.n)
     gen_ips = args.n / (time.perf_counter() - t0)
+    if args.vs_unet:
+        compare(pipe, generate, args.n, args.repeats)
 
     clf = TinyWorldClassifier()
     renders = torch.from_numpy(render_batch(sample_specs(1024, seed=0)))
@@ -60,6 +72,27 @@ def main(argv=None) -> None:
     print(f"generation:     {gen_ips:8.1f} images/s ({args.n} images)")
     print(f"classification: {clf_ips:8.1f} images/s ({len(renders)} images)")
     assert images.shape[1:] == (3, 32, 32)
+
+
+def compare(pipe, generate, n: int, repeats: int) -> None:
+    """Best images/s of ``pipe`` and of ``pipe`` with the v1 UNet, timed alternately."""
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    old = StableDiffusionPipeline(**{**pipe.components, "unet": UNet2DConditionModel(**arch.UNET_CONFIG_V1)})
+    old.set_progress_bar_config(disable=True)
+    generate(0, 8, pipe=old)  # warm-up
+    best = {"shipped": 0.0, "v1": 0.0}
+    for _ in range(repeats):
+        for name, p in (("shipped", pipe), ("v1", old)):
+            t0 = time.perf_counter()
+            generate(0, n, pipe=p)
+            best[name] = max(best[name], n / (time.perf_counter() - t0))
+    unet_params = {k: sum(x.numel() for x in p.unet.parameters()) / 1e6 for k, p in (("shipped", pipe), ("v1", old))}
+    print(f"{'UNet':10} {'params':>8} {'images/s':>10}  (best of {repeats}, {n} images each)")
+    for name in best:
+        print(f"{name:10} {unet_params[name]:7.2f}M {best[name]:10.1f}")
+    print(f"ratio shipped / v1: {best['shipped'] / best['v1']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -53,11 +53,10 @@ def batch_images(seed: int, step: int, n: int) -> tuple[list, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- init from export
-def take_export(args, work: Path):
-    """With ``--init-from``: take the export's VAE, judge and latent scaling as finished stages."""
+def take_export(folder: Path, work: Path):
+    """Take an export's VAE, judge and latent scaling as finished stages."""
     from safetensors.torch import load_file
 
-    folder = Path(args.init_from)
     meta = json.loads((folder / "training.json").read_text())
     if not (work / "vae.pt").exists():
         vae = load_file(str(folder / "pipeline" / "vae" / "diffusion_pytorch_model.safetensors"))
@@ -202,15 +201,35 @@ def build_pool(args, work: Path):
         stds.append(post.std.cpu())
     mean, std = torch.cat(means), torch.cat(stds)
     # an initialising export keeps the scaling its UNet was trained with
-    scaling = take_export(args, work) if args.init_from else float(1.0 / mean.std())
+    source = args.init_from or args.vae_judge_from
+    scaling = take_export(Path(source), work) if source else float(1.0 / mean.std())
     log(f"pool: {len(specs)} latents, scaling factor {scaling:.4f}")
     atomic_save({"specs": specs, "mean": mean, "std": std, "scaling": scaling}, out)
+
+
+# --------------------------------------------------------------------------- lexicon
+def build_lexicon(args, work: Path):
+    """A meaning vector for every token of the vocabulary (``emma/tinyworld/lexicon.py``)."""
+    from emma.tinyworld import lexicon
+
+    out = work / "lexicon.npy"
+    if out.exists():
+        log("lexicon: done, skipping")
+        return
+    texts = lexicon.token_texts(local_clip_tokenizer())
+    if args.lexicon == "random":  # plumbing tests: no sentence model, seeded noise
+        feats = lexicon.normalise(np.random.default_rng(args.seed).standard_normal((len(texts), 64)))
+    else:
+        feats = lexicon.build(texts, work / "lexicon_chunks", log)
+    tmp = work / "lexicon.tmp.npy"
+    np.save(tmp, feats.astype(np.float16))
+    os.replace(tmp, out)
+    log(f"lexicon: {feats.shape[0]} tokens x {feats.shape[1]} features")
 
 
 # --------------------------------------------------------------------------- UNet + text
 def train_unet(args, work: Path):
     from diffusers import DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
 
     final = work / "unet_final.pt"
     if final.exists():
@@ -224,7 +243,7 @@ def train_unet(args, work: Path):
     tok = local_clip_tokenizer()
     torch.manual_seed(args.seed + 3)
     unet = UNet2DConditionModel(**arch.UNET_CONFIG).to(args.device)
-    te = CLIPTextModel(CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG)).to(args.device)
+    te = text_encoder(work).to(args.device)
     params = list(unet.parameters()) + list(te.parameters())
     log(f"unet: {sum(p.numel() for p in unet.parameters()) / 1e6:.2f}M params, "
         f"text encoder {sum(p.numel() for p in te.parameters()) / 1e6:.2f}M")
@@ -299,6 +318,37 @@ def train_unet(args, work: Path):
     atomic_save({"ema": ema, "scaling": pool["scaling"], "step": args.unet_steps}, final)
 
 
+def text_encoder(work: Path):
+    """The tiny world's CLIPTextModel, its token embedding a map from the lexicon's meanings."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from emma.tinyworld.lexicon import semantic_embedding
+
+    config = CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG)
+    te = CLIPTextModel(config)
+    feats = np.load(work / "lexicon.npy").astype(np.float32)
+    te.set_input_embeddings(semantic_embedding(
+        feats, config.hidden_size, (config.bos_token_id, config.eos_token_id)))
+    return te
+
+
+def plain_text_encoder(work: Path, state: dict):
+    """A plain CLIPTextModel with the lexicon map of ``state`` baked into its embedding table."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    te = text_encoder(work)
+    te.load_state_dict(state)
+    table = te.get_input_embeddings().weight()
+    plain = CLIPTextModel(CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG))
+    plain_state = {k: v for k, v in state.items() if "token_embedding" not in k}
+    key = next(k for k in plain.state_dict() if k.endswith("token_embedding.weight"))
+    plain_state[key] = table
+    missing, unexpected = plain.load_state_dict(plain_state, strict=False)
+    if unexpected or [k for k in missing if "position_ids" not in k]:
+        raise SystemExit(f"text encoder export: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return plain
+
+
 def init_from_export(folder: Path, unet, te) -> int:
     """Load an exported pipeline's UNet and text encoder into ``unet`` / ``te``; its step count."""
     from safetensors.torch import load_file
@@ -318,7 +368,6 @@ def init_from_export(folder: Path, unet, te) -> int:
 def export(args, work: Path, dest: Path):
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from safetensors.torch import save_file
-    from transformers import CLIPTextConfig, CLIPTextModel
 
     from emma.pipelines import make_scheduler
 
@@ -334,8 +383,7 @@ def export(args, work: Path, dest: Path):
     vae.register_to_config(scaling_factor=final["scaling"])
     unet = UNet2DConditionModel(**arch.UNET_CONFIG)
     unet.load_state_dict(final["ema"]["unet"])
-    te = CLIPTextModel(CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG))
-    te.load_state_dict(final["ema"]["te"])
+    te = plain_text_encoder(work, final["ema"]["te"])
     # fp16 on disk; cast with torch's own .to (diffusers' warns about fp32-kept modules, of
     # which these configs have none)
     for module in (vae, unet, te):
@@ -386,17 +434,23 @@ def main(argv=None):
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--init-from", default=None,
                    help="an exported tiny world to continue the UNet stage from when no checkpoint exists")
-    p.add_argument("--stages", default="vae,classifier,pool,unet",
+    p.add_argument("--vae-judge-from", default=None,
+                   help="an exported tiny world whose VAE, judge and latent scaling to keep "
+                        "(the UNet and text encoder train from scratch)")
+    p.add_argument("--lexicon", choices=["minilm", "random"], default="minilm",
+                   help="token meanings from the sentence model, or seeded noise (plumbing tests only)")
+    p.add_argument("--stages", default="vae,classifier,pool,lexicon,unet",
                    help="comma-separated stages to run, in order (finished stages are skipped)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    if args.init_from:
-        take_export(args, work)
+    if args.init_from or args.vae_judge_from:
+        take_export(Path(args.init_from or args.vae_judge_from), work)
     t0 = time.time()
-    stages = {"vae": train_vae, "classifier": train_classifier, "pool": build_pool, "unet": train_unet}
+    stages = {"vae": train_vae, "classifier": train_classifier, "pool": build_pool,
+              "lexicon": build_lexicon, "unet": train_unet}
     for name in filter(None, args.stages.split(",")):
         if name not in stages:
             p.error(f"unknown stage {name!r}; valid: {', '.join(stages)}")

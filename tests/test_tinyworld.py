@@ -88,10 +88,11 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     work, out = tmp_path / "work", tmp_path / "export"
     cmd = [sys.executable, str(ROOT / "scripts" / "train_tinyworld.py"), "--work-dir", str(work),
            "--export", str(out), "--threads", "1", "--vae-steps", "3", "--vae-batch", "4", "--clf-steps", "2",
-           "--clf-batch", "8", "--pool-size", "64", "--unet-steps", "4", "--unet-batch", "4", "--ckpt-every", "2"]
+           "--clf-batch", "8", "--pool-size", "64", "--unet-steps", "4", "--unet-batch", "4", "--ckpt-every", "2",
+           "--lexicon", "random"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("vae.pt", "classifier.pt", "pool.pt", "unet_final.pt"):
+    for name in ("vae.pt", "classifier.pt", "pool.pt", "lexicon.npy", "unet_final.pt"):
         assert (work / name).exists(), name
     training = json.loads((out / "training.json").read_text())
     assert training["unet_steps_trained"] == 4

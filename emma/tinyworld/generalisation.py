@@ -1,0 +1,85 @@
+"""The generalisation probe: words the tiny world never saw, and what a person expects them to draw.
+
+Tiny world 2 gives every token a meaning (``emma/tinyworld/lexicon.py``), so a word that never
+occurs in a training caption should still draw what it means, as an SD model draws a "coin" as
+something round. ``PROBE`` lists words and short phrases with the shape or style a person would
+expect; ``CONTROLS`` lists words that suggest no shape or style. The list was fixed before the
+model it measures was trained. ``scripts/generalisation_probe.py`` measures, per word, how often
+the base model draws the expected concept, and compares the controls with random prompts.
+"""
+
+from __future__ import annotations
+
+import re
+
+from emma.tinyworld import world
+
+# word or phrase -> the shape or style (background) a person would expect it to draw
+PROBE: dict[str, str] = {
+    # circle
+    "coin": "circle", "wheel": "circle", "ball": "circle", "sun": "circle", "plate": "circle",
+    "donut": "circle", "clock": "circle", "button": "circle", "cookie": "circle",
+    "bubble": "circle", "tire": "circle", "globe": "circle",
+    # square
+    "window": "square", "dice": "square", "cube": "square", "envelope": "square",
+    "brick": "square", "crate": "square", "stamp": "square", "napkin": "square",
+    # triangle
+    "sail": "triangle", "tent": "triangle", "mountain": "triangle", "roof": "triangle",
+    "nacho": "triangle", "arrowhead": "triangle", "slice of pizza": "triangle",
+    # star
+    "asterisk": "star", "sparkle": "star", "sheriff badge": "star", "starfish": "star",
+    "constellation": "star",
+    # heart
+    "cupid": "heart", "kiss": "heart", "romance": "heart", "affection": "heart",
+    "passion": "heart", "sweetheart": "heart", "wedding": "heart", "darling": "heart",
+    # cross
+    "hospital": "cross", "first aid": "cross", "swiss flag": "cross", "church": "cross",
+    "medic": "cross", "intersection": "cross",
+    # crescent
+    "croissant": "crescent", "lunar": "crescent", "eclipse": "crescent", "horn": "crescent",
+    "boomerang": "crescent", "claw": "crescent", "ramadan": "crescent",
+    # diamond
+    "gem": "diamond", "jewel": "diamond", "crystal": "diamond", "gemstone": "diamond",
+    "sapphire": "diamond", "emerald": "diamond", "jewelry": "diamond", "ruby": "diamond",
+    # styles (the background texture)
+    "zebra": "striped", "tiger": "striped", "barcode": "striped", "pinstripe": "striped",
+    "stripes": "striped", "candy cane": "striped",
+    "leopard": "dotted", "ladybug": "dotted", "dalmatian": "dotted", "confetti": "dotted",
+    "freckles": "dotted", "dots": "dotted",
+    "chess": "checkered", "gingham": "checkered", "plaid": "checkered", "tartan": "checkered",
+    "racing flag": "checkered", "tablecloth": "checkered",
+    "clear": "plain", "blank": "plain", "bare": "plain", "minimalist": "plain",
+}
+
+# words that suggest no shape and no style
+CONTROLS: tuple[str, ...] = (
+    "philosophy", "tomorrow", "running", "music", "algebra", "honesty", "quickly", "democracy",
+    "yesterday", "gravity", "thinking", "silence", "freedom", "economy", "although", "memory",
+    "justice", "weather", "language", "idea", "history", "because", "opinion", "science",
+)
+
+# words that carry no content, allowed inside a probe phrase
+FUNCTION_WORDS = frozenset({"a", "an", "the", "of", "with", "on", "in", "and"})
+
+
+def caption_words() -> set[str]:
+    """Every word any training caption of the tiny world can contain."""
+    texts: list[str] = list(world.SHAPES) + list(world.COLOURS) + list(world.STYLES)
+    texts += [t.replace("{x}", "") for t in world.TEMPLATES]
+    for table in (world.SHAPE_VARIANTS, world.SHAPE_SHORT, world.SHAPE_LONG, world.STYLE_PHRASES,
+                  world.STYLE_VARIANTS, world.STYLE_SHORT, world.PREFIXES):
+        for options in table.values():
+            texts += list(options)
+    texts.append("background")
+    return {w for t in texts for w in re.findall(r"[a-z]+", t.lower())}
+
+
+def seen_words(entry: str) -> list[str]:
+    """The content words of ``entry`` that occur in training captions (empty when unseen)."""
+    seen = caption_words()
+    return [w for w in re.findall(r"[a-z]+", entry.lower()) if w not in FUNCTION_WORDS and w in seen]
+
+
+def kind(concept: str) -> str:
+    """``"shape"`` or ``"style"``: the judge head that reads ``concept``."""
+    return "shape" if concept in world.SHAPES else "style"

@@ -1,0 +1,139 @@
+"""Does the tiny world draw what words it never saw mean?
+
+For every word of ``emma.tinyworld.generalisation.PROBE`` (words and phrases absent from every
+training caption, each with the shape or style a person expects), the fraction of images of
+"an image of a <word>" in which the judge finds the expected concept. For the ``CONTROLS``
+(words that suggest no shape) and for random vocabulary words, how often each shape is drawn:
+a control that drew one shape more often than random words do would mean the encoder reads
+shapes into words that have none.
+
+    python scripts/generalisation_probe.py                       # the shipped tiny world
+    python scripts/generalisation_probe.py --assets DIR --n 20 --json out.json --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
+from emma.metrics.intervals import wilson_interval  # noqa: E402
+from emma.tinyworld.generalisation import CONTROLS, PROBE, kind  # noqa: E402
+from emma.tinyworld.quality import make_target  # noqa: E402
+from emma.tinyworld.world import SHAPES, STYLES, with_template  # noqa: E402
+
+TEMPLATE = "an image of a {x}"
+PASS_RATE = 0.5
+
+
+def random_words(n: int, seed: int) -> list[str]:
+    """``n`` whole-word tokens of the CLIP vocabulary (letters only), drawn with ``seed``."""
+    from emma.tinyworld.tokenizer import local_clip_tokenizer
+
+    tok = local_clip_tokenizer()
+    vocab = [t[:-4] for t in tok.get_vocab() if t.endswith("</w>") and t[:-4].isalpha()
+             and len(t) > 6]
+    vocab.sort()
+    rng = np.random.default_rng(seed)
+    return [vocab[i] for i in rng.choice(len(vocab), size=n, replace=False)]
+
+
+def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, np.ndarray]]:
+    """Per word and per concept of the judge, which of the word's ``n`` images show the concept."""
+    prompts = [with_template(TEMPLATE, w) for w in words for _ in range(n)]
+    seeds = [seed + i for _ in words for i in range(n)]
+    clf = target.judge.classifier
+    probs = []
+    batch = 256
+    for lo in range(0, len(prompts), batch):
+        result = target.generate(prompts[lo : lo + batch], seeds[lo : lo + batch])
+        probs.append(clf.predict(result.images))
+        print(f"  {min(lo + batch, len(prompts))}/{len(prompts)} images", flush=True)
+    allp = torch.cat(probs)
+    concepts = list(SHAPES) + list(STYLES)
+    found = {c: clf.detect(allp, c).numpy() for c in concepts}
+    return {w: {c: found[c][k * n : (k + 1) * n] for c in concepts} for k, w in enumerate(words)}
+
+
+def run(assets: Path, n: int, seed: int, n_random: int) -> dict:
+    clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
+    with tempfile.TemporaryDirectory() as cache:
+        target = make_target(assets / "pipeline", clf, cache)
+        probe = judged(target, list(PROBE), n, seed)
+        controls = judged(target, list(CONTROLS), n, seed)
+        rand_words = random_words(n_random, seed)
+        rand = judged(target, rand_words, n, seed)
+    rows = []
+    for word, concept in PROBE.items():
+        hits = int(probe[word][concept].sum())
+        lo, hi = wilson_interval(hits, n)
+        same_kind = [c for c in probe[word] if kind(c) == kind(concept)]
+        drawn = max(same_kind, key=lambda c: int(probe[word][c].sum()))
+        rows.append({"word": word, "expected": concept, "rate": hits / n, "n": n,
+                     "ci": [lo, hi], "drawn": drawn})
+    passed = sum(r["rate"] >= PASS_RATE for r in rows)
+
+    def shape_rates(table: dict[str, dict[str, np.ndarray]]) -> dict[str, dict]:
+        out = {}
+        for s in SHAPES:
+            hits, total = sum(int(w[s].sum()) for w in table.values()), n * len(table)
+            out[s] = {"rate": hits / total, "n": total, "ci": list(wilson_interval(hits, total))}
+        return out
+
+    control_words = {w: {s: float(controls[w][s].mean()) for s in SHAPES} for w in CONTROLS}
+    return {"n_per_word": n, "seed": seed, "template": TEMPLATE, "pass_rate": PASS_RATE,
+            "words": rows, "passed": passed, "total": len(rows),
+            "controls": shape_rates(controls), "random": shape_rates(rand),
+            "control_words": control_words, "random_words": rand_words}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"Words passing (expected concept in >= {res['pass_rate']:.0%} of {res['n_per_word']} "
+             f"images): **{res['passed']} of {res['total']}** ({res['passed'] / res['total']:.0%}).", "",
+             "| word | expected | rate | 95% CI | most drawn |", "|---|---|---|---|---|"]
+    for r in res["words"]:
+        lines.append(f"| {r['word']} | {r['expected']} | {r['rate']:.2f} | "
+                     f"[{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] | {r['drawn']} |")
+    lines += ["", f"Shapes drawn by the {len(CONTROLS)} control words and by "
+              f"{len(res['random_words'])} random vocabulary words ({res['n_per_word']} images each):", "",
+              "| shape | controls | 95% CI | random words | 95% CI |", "|---|---|---|---|---|"]
+    for s in SHAPES:
+        c, r = res["controls"][s], res["random"][s]
+        lines.append(f"| {s} | {c['rate']:.3f} | [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}] | {r['rate']:.3f} | "
+                     f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--assets", default=str(ROOT / "emma" / "tinyworld" / "assets"))
+    p.add_argument("--n", type=int, default=20, help="images per word")
+    p.add_argument("--seed", type=int, default=5000, help="first seed of every word's images")
+    p.add_argument("--random", type=int, default=100, help="random vocabulary words for the base rate")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run(Path(args.assets), args.n, args.seed, args.random)
+    text = markdown(res)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
