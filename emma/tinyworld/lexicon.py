@@ -119,6 +119,10 @@ def semantic_embedding(features: np.ndarray, hidden: int, special_ids: Sequence[
             self.register_buffer("features", torch.from_numpy(np.asarray(features, np.float32)),
                                  persistent=False)
             self.proj = nn.Linear(features.shape[1], hidden)
+            # from zero, the map only ever learns directions that caption tokens span, so an
+            # unseen word's embedding is what its meaning shares with the words it resembles
+            nn.init.zeros_(self.proj.weight)
+            nn.init.zeros_(self.proj.bias)
             self.register_buffer("special_ids", torch.tensor(list(special_ids)), persistent=False)
             self.special = nn.Parameter(torch.randn(len(special_ids), hidden) * 0.02)
 
