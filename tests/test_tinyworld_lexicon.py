@@ -36,6 +36,10 @@ def test_semantic_embedding_is_a_map_of_meanings_with_free_special_tokens():
     feats = normalise(rng.standard_normal((50, 12)))
     assert np.allclose(np.linalg.norm(feats, axis=1), 1) and np.allclose(feats.mean(0), 0, atol=0.2)
     emb = semantic_embedding(feats, hidden=8, special_ids=(48, 49))
+    assert not emb.proj.weight.any(), "the map starts at zero"
+    torch.manual_seed(0)
+    torch.nn.init.normal_(emb.proj.weight)
+    torch.nn.init.normal_(emb.proj.bias)
     ids = torch.tensor([[0, 3, 48, 49, 7]])
     out = emb(ids)
     table = emb.weight()
