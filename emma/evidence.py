@@ -7,6 +7,7 @@ from the result folder alone, without the cache.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 from PIL import Image
 
-from emma.files import atomic_write_text
+from emma.files import atomic_write_bytes, atomic_write_text
 
 if TYPE_CHECKING:
     from emma.api.types import Sample
@@ -51,9 +52,10 @@ def write_evidence(generator: Any, samples: Sequence[Sample], output_dir: str | 
         image = generator.cache.get(key)
         if image is None:
             continue
-        folder.mkdir(parents=True, exist_ok=True)
         name = f"{s.image_hash[:16]}.png"
-        Image.fromarray(np.asarray(image)).save(folder / name)
+        buf = io.BytesIO()
+        Image.fromarray(np.asarray(image)).save(buf, format="PNG")
+        atomic_write_bytes(folder / name, buf.getvalue(), fsync=False, what="an evidence image")
         index.append({"file": name, "prompt": s.prompt, "seed": s.seed, "group": s.group, "kind": s.kind,
                       "concept": s.concept, "detected": s.detected, "score": s.score})
     if index:

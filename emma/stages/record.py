@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import platform
 import subprocess
 from importlib import metadata
@@ -17,12 +18,15 @@ from omegaconf import OmegaConf
 from emma import finished, registry
 from emma.attack import attack_records
 from emma.cache import repair_note, repairs_since
+from emma.errors import DiskFullError
 from emma.evidence import write_evidence
 from emma.files import atomic_write_text, sha256_file
 from emma.metrics import METRIC_VERSIONS
 from emma.metrics.timing import cpu_model
 from emma.results import CellInfo, CellResult, redact
 from emma.stages.context import CellContext
+
+log = logging.getLogger(__name__)
 
 
 def git_hash() -> str | None:
@@ -147,4 +151,7 @@ def record(ctx: CellContext) -> None:
     result.save(out / "results.json")  # last: its presence marks a finished cell
     if finished.enabled(ctx.cfg) and ctx.attacker.complete():  # a partial attack is not a finished cell
         # key.json records the inputs with secrets and URL credentials removed (the key is ctx.key)
-        finished.store(redact(OmegaConf.to_container(ctx.cfg, resolve=True)), out, ctx.key)
+        try:
+            finished.store(redact(OmegaConf.to_container(ctx.cfg, resolve=True)), out, ctx.key)
+        except DiskFullError as err:  # results.json is complete: the cell is done, only not reusable
+            log.warning("%s (the cell's results.json is complete; it is only not kept for reuse)", err)
