@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -107,6 +108,34 @@ def counts(ctx: CellContext) -> dict[str, int]:
     return out
 
 
+#: an interpolation whose value follows the cell's concept
+CONCEPT_INTERPOLATION = re.compile(r"\$\{\s*(emma\.other_concepts\s*:|concept\s*\})")
+
+
+def concept_dependent(cfg: Any) -> dict[str, list[str]]:
+    """Per component (``method``, ``attacker``), the dotted keys of its settings whose value
+    follows the cell's concept (given as ``${emma.other_concepts:...}`` or ``${concept}``, as
+    the tiny-world presets do): the leaderboard compares cells of different concepts with
+    these values set aside, so one preset run on two concepts is one setting."""
+    out: dict[str, list[str]] = {}
+    for kind in ("method", "attacker"):
+        node = cfg.get(kind) if hasattr(cfg, "get") else None
+        if node is None:
+            continue
+        raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+        found = sorted(_interpolated_paths(raw, ""))
+        if found:
+            out[kind] = found
+    return out
+
+
+def _interpolated_paths(v: Any, path: str) -> list[str]:
+    if isinstance(v, dict):
+        return [p for k, x in v.items() if k != "_target_"
+                for p in _interpolated_paths(x, f"{path}.{k}" if path else str(k))]
+    return [path] if isinstance(v, str) and CONCEPT_INTERPOLATION.search(v) else []
+
+
 def versions(ctx: CellContext) -> dict[str, Any]:
     erased, guidance = ctx.erased, ctx.guidance
     return {
@@ -126,6 +155,7 @@ def versions(ctx: CellContext) -> dict[str, Any]:
         "runtime": runtime_info(),
         "presets": preset_choices(),
         "choices": config_choices(),
+        "concept_dependent": concept_dependent(ctx.cfg),
         "metrics": dict(METRIC_VERSIONS),
     }
 
