@@ -63,7 +63,37 @@ def write_evidence(generator: Any, samples: Sequence[Sample], output_dir: str | 
     return len(index)
 
 
+class EvidenceError(ValueError):
+    """An evidence index that cannot be read (not JSON, not a list of records)."""
+
+
+EVIDENCE_FIELDS = ("file", "prompt", "seed", "group", "kind", "detected", "score")
+
+
 def read_evidence(cell_dir: str | Path) -> list[dict[str, Any]]:
-    """The evidence index of a result folder (empty when the cell wrote none)."""
+    """The evidence index of a result folder (empty when the cell wrote none), each record's
+    image file present. Raises :class:`EvidenceError` naming the index when it is damaged;
+    records whose image file is gone, or that name a path rather than a file of the folder, are
+    left out (:func:`missing_evidence` counts them)."""
     path = Path(cell_dir) / EVIDENCE_DIR / "index.json"
-    return json.loads(path.read_text()) if path.exists() else []
+    if not path.exists():
+        return []
+    try:
+        items = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise EvidenceError(f"{path}: unreadable evidence index ({type(err).__name__}: {err})") from None
+    if not isinstance(items, list) or not all(
+            isinstance(e, dict) and all(k in e for k in EVIDENCE_FIELDS) for e in items):
+        raise EvidenceError(f"{path}: not a list of evidence records with {', '.join(EVIDENCE_FIELDS)}")
+    # a file name only (never a path out of the folder), and the file there
+    return [e for e in items
+            if str(e["file"]) == Path(str(e["file"])).name and (path.parent / str(e["file"])).is_file()]
+
+
+def missing_evidence(cell_dir: str | Path) -> int:
+    """How many records of the evidence index name an image file that is not there."""
+    path = Path(cell_dir) / EVIDENCE_DIR / "index.json"
+    try:
+        return len(json.loads(path.read_text())) - len(read_evidence(cell_dir))
+    except (OSError, ValueError, TypeError):
+        return 0

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 from emma import exit_codes
 from emma.cache import stable_hash
+from emma.errors import DiskFullError, EmmaError, is_disk_full
 from emma.files import atomic_write_text, sha256_file
 from leaderboards.collect import (
     Cell,
@@ -52,7 +53,16 @@ from leaderboards.collect import (
     parse_results,
     split_settings,
 )
-from leaderboards.render import csv_text, markdown, page, plot_asr, plot_tradeoff, problem_lines, summary
+from leaderboards.render import (
+    csv_text,
+    evidence_problem,
+    markdown,
+    page,
+    plot_asr,
+    plot_tradeoff,
+    problem_lines,
+    summary,
+)
 from leaderboards.tables import Table, build_tables
 
 STATE = ".build_state.json"
@@ -136,6 +146,7 @@ def build(runs: Sequence[str | Path], out: str | Path, *, split_versions: bool =
     warnings = [f"{c.path / 'results.json'}: {problem}; the cell is listed as invalid, not shown"
                 for c in parsed_cells for problem in c.problems]
     cells = [c for c in parsed_cells if not c.problems]
+    warnings += [w for c in cells if (w := evidence_problem(c))]
     infer_concept_dependent(cells)
     notes = check_comparable(cells, split_versions)
     notes += split_settings(cells)
@@ -149,6 +160,20 @@ def build(runs: Sequence[str | Path], out: str | Path, *, split_versions: bool =
         board.up_to_date = True
         return board
 
+    try:
+        _write(board, state, state_path, digest, as_read, stamps)
+    except OSError as err:
+        if is_disk_full(err):  # a plot (the files are DiskFullErrors already)
+            raise DiskFullError(out, "the leaderboard") from None
+        raise LeaderboardError(f"cannot write the leaderboard to --out {str(out)!r}: {type(err).__name__}: "
+                               f"{err.strerror or err}; give a folder you can write to") from None
+    return board
+
+
+def _write(board: Board, state: dict[str, Any], state_path: Path, digest: str, as_read: dict[str, Any],
+           stamps: dict[str, str]) -> None:
+    out, tables, rows, cells = board.out, board.tables, board.rows, board.cells
+    failed, invalid, missing, notes = board.failed, board.invalid, board.missing, board.notes
     out.mkdir(parents=True, exist_ok=True)
     plot_hashes = state.get("plots", {}) if state.get("format") == FORMAT else {}
     new_plot_hashes = _render_plots(out, tables, rows, plot_hashes)
@@ -169,7 +194,6 @@ def build(runs: Sequence[str | Path], out: str | Path, *, split_versions: bool =
         "format": FORMAT, "digest": digest, "plots": new_plot_hashes,
         "cells": {p: {"stamp": stamps[p], "cell": cell} for p, cell in as_read.items()},
     }, default=str))
-    return board
 
 
 def _plot_paths(out: Path, tables: list[Table]) -> dict[str, list[Path]]:
@@ -231,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         board = build(args.runs, args.out, split_versions=args.split_versions, force=args.force)
-    except LeaderboardError as err:
+    except EmmaError as err:  # a LeaderboardError (2), or a full disk (3)
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     for w in board.warnings:

@@ -283,7 +283,18 @@ def parse_results(path: Path) -> Cell:
     lacks = [k for k in ("model", "method", "domain", "concept", "attacker", "classifier") if k not in c]
     if lacks:
         raise LeaderboardError(f"{path}: results.json's cell lacks {lacks}")
-    metrics, problems = {}, []
+    problems = [f"{where} is a {type(x).__name__}, not an object" for where, x in (
+        ("config", data.get("config")), ("counts", data.get("counts")),
+        ("versions.components", data["versions"].get("components")), ("versions.model", data["versions"].get("model")))
+        if x is not None and not isinstance(x, dict)]
+    if data.get("notes") is not None and not isinstance(data["notes"], list):
+        problems.append(f"notes is a {type(data['notes']).__name__}, not a list")
+    if problems:  # the rest cannot be read as a cell's
+        return Cell(path=path.parent, model=str(c["model"]), method=str(c["method"]), domain=str(c["domain"]),
+                    concept=str(c["concept"]), attacker=str(c["attacker"]), classifier=str(c["classifier"]),
+                    metrics={}, signatures={}, versions={}, counts={}, notes=[], mtime=path.stat().st_mtime,
+                    problems=problems, digest=sha256_bytes(raw))
+    metrics = {}
     for k, m in data["metrics"].items():
         found = metric_problems(k, m)
         problems += found
@@ -320,13 +331,15 @@ def find_result_files(runs: Iterable[str | os.PathLike]) -> tuple[list[Path], li
 def parse_error(path: Path) -> FailedCell:
     try:
         data = json.loads(path.read_text())
-        error = str(data.get("error", "?"))
-    except (OSError, json.JSONDecodeError) as err:
+        error = str(data.get("error", "?")) if isinstance(data, dict) else f"error.json holds a {type(data).__name__}"
+    except (OSError, ValueError) as err:
         error = f"unreadable error.json ({err})"
     overrides = ""
     ov = path.parent / ".hydra" / "overrides.yaml"
-    if ov.exists():
+    try:
         overrides = " ".join(line.lstrip("- ").strip() for line in ov.read_text().splitlines() if line.strip())
+    except (OSError, ValueError):  # absent or unreadable: the folder names the cell
+        overrides = ""
     return FailedCell(path=path.parent, error=error.splitlines()[0][:500] if error else "?", overrides=overrides)
 
 

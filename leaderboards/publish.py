@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from emma.evidence import EVIDENCE_DIR, read_evidence
+from emma.evidence import EVIDENCE_DIR, EvidenceError, read_evidence
 from emma.loggers import image_grid
 
 
@@ -61,7 +61,10 @@ def _publish(board: Any, project: str, entity: str | None, mode: str) -> str:
     try:
         grids: dict[str, Any] = {}
         for c in board.cells:
-            items = read_evidence(c.path)
+            try:
+                items = read_evidence(c.path)
+            except EvidenceError:  # the build warned about it
+                items = []
             if items:
                 grids[c.anchor] = wandb.Image(
                     image_grid([c.path / EVIDENCE_DIR / e["file"] for e in items]),

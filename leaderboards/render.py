@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from emma.evidence import EVIDENCE_DIR, read_evidence
+from emma.evidence import EVIDENCE_DIR, EvidenceError, missing_evidence, read_evidence
 from leaderboards.collect import Cell, FailedCell, InvalidCell, MissingCell
 from leaderboards.tables import Table, fmt, mean_metric, sort_value
 
@@ -202,8 +202,21 @@ def _table_html(table: Table, with_links: bool) -> str:
     return "\n".join(out)
 
 
+def evidence_problem(cell: Cell) -> str | None:
+    """Why a cell's images cannot all be shown (a damaged index, image files gone), or None."""
+    try:
+        read_evidence(cell.path)
+    except EvidenceError as err:
+        return f"{err}; the cell is shown without its images"
+    gone = missing_evidence(cell.path)
+    return f"{cell.path / EVIDENCE_DIR}: {gone} image file(s) of the evidence index are missing" if gone else None
+
+
 def _evidence_html(cell: Cell) -> str:
-    items = read_evidence(cell.path)
+    try:
+        items = read_evidence(cell.path)
+    except EvidenceError:
+        items = []
     head = (f'<div class="evidence" id="{cell.anchor}"><h4>{html.escape(cell.domain)} / '
             f"{html.escape(cell.label or cell.method)} / {html.escape(cell.concept)} / "
             f"{html.escape(cell.attacker)}{f' / seed {cell.seed}' if cell.seed is not None else ''}"
