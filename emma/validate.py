@@ -297,8 +297,9 @@ def _check_cache(paths: Any, out: list[Violation]) -> None:
     root = Path(cache_dir).expanduser()
     above = next((p for p in (root, *root.parents) if p.exists()), None)
     if above is not None and not above.is_dir():
-        where = "is a file" if above == root else f"is inside {above}, which is a file"
-        out.append(Violation("paths.cache_dir", cache_dir, f"{where}; give a folder (or set $EMMA_CACHE)"))
+        where = "it is a file" if above == root else f"it is inside {above}, which is a file"
+        out.append(Violation("paths.cache_dir", cache_dir, f"cannot write there: {where}; give a folder "
+                                                           "(or set $EMMA_CACHE)"))
         return
     try:
         root.mkdir(parents=True, exist_ok=True)
