@@ -77,3 +77,18 @@ def _bare_codes(path: str) -> list[str]:
 def test_commands_return_named_codes(path):
     assert _bare_codes(path) == []
     assert "exit_codes." in (ROOT / path).read_text() or "exit_code" in (ROOT / path).read_text()
+
+
+def test_every_test_docs_faults_names_exists():
+    """docs/faults.md maps each fault to its tests: each name it gives is a test of that file
+    (``file::test``; ``…::test`` and ``::test`` continue the file before)."""
+    text = (ROOT / "docs" / "faults.md").read_text()
+    current, named = None, []
+    for m in re.finditer(r"`(?:(test_\w+\.py)|…)?::(test_\w+)", text):
+        current = m.group(1) or current
+        named.append((current, m.group(2)))
+    assert len(named) > 40
+    for file, test in named:
+        assert file is not None
+        source = (ROOT / "tests" / file).read_text()
+        assert re.search(rf"^def {test}\(", source, re.M), f"{file}::{test} is not a test"
