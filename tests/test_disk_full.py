@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -217,8 +218,9 @@ def test_cli_real_full_disk_while_storing_the_erased_model(tmpfs, tmp_path):
     full = _run(args, cache)
     assert full.returncode == exit_codes.DISK_FULL, full.stderr[-3000:]
     (line,) = _error_lines(full.stderr)
-    assert f"while storing the erased model at {cache / 'erased'}" in line and "MiB free there" in line
-    assert "it needs about 2" in line  # the tiny world's UNet: about 22 MiB, more than the 8 MiB there
+    assert f"while storing the erased model at {cache / 'erased'}" in line
+    m = re.search(r"it needs about ([\d.]+) MiB, ([\d.]+) (MiB|KiB|bytes) free there", line)
+    assert m and float(m.group(1)) > 8 * 0.9, line  # the tiny world's UNet: more than the 8 MiB there
     assert list((cache / "erased").iterdir()) == [] and _leftovers(run) == []
     # the re-run with space is test_a_full_disk_while_storing_the_erased_model_leaves_no_tmp_folder_nor_lock's
 
