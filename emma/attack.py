@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from emma.api.attacker import Attacker, AttackTarget, AttackTargetError, SamplerSettings
 from emma.api.types import AttackOutput, GeneratedImages, PromptRequest
-from emma.cache import stable_hash, sweep_stale_tmp
+from emma.cache import cache_folder, quarantine, stable_hash, sweep_stale_tmp
 from emma.evaluate import judge_requests
 from emma.files import atomic_write_text
 from emma.generate import CachedGenerator, GenerationTarget, Judge
@@ -255,12 +255,33 @@ class AttackRun:
     wall_s: float
 
 
+#: what a replayed attack record must hold
+RECORD_FIELDS = ("adversarial_prompt", "queries", "iterations")
+
+
+def _record_problem(record: Any) -> str | None:
+    """Why a stored attack record cannot be replayed, or ``None``."""
+    if not isinstance(record, dict):
+        return f"holds a {type(record).__name__}, not a record"
+    missing = [k for k in RECORD_FIELDS if k not in record]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if not isinstance(record["adversarial_prompt"], str):
+        return "its adversarial prompt is not text"
+    if not all(isinstance(record[k], int) and not isinstance(record[k], bool) and record[k] >= 0
+               for k in ("queries", "iterations")):
+        return "its queries or iterations are not counts"
+    if not isinstance(record.get("extra", {}), dict):
+        return "its extra is not a mapping"
+    return None
+
+
 class AttackCache:
     """Finished attack outputs, one JSON file per request, keyed by content."""
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root) / "attacks"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.cache_root = Path(root)
+        self.root = cache_folder(self.cache_root, "attacks", "attack")
         sweep_stale_tmp(self.root)
 
     def key(self, target: AttackTarget, attacker: Attacker, request: PromptRequest) -> str:
@@ -278,8 +299,21 @@ class AttackCache:
         return self.root / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> dict[str, Any] | None:
+        """The stored record, or ``None`` (absent; or unreadable, not a JSON object: quarantined
+        and the request attacked again)."""
         p = self.path(key)
-        return json.loads(p.read_text()) if p.exists() else None
+        if not p.exists():
+            return None
+        try:
+            record = json.loads(p.read_text())
+        except (OSError, ValueError) as err:
+            quarantine(p, self.cache_root, "attack", f"unreadable record: {type(err).__name__}: {err}")
+            return None
+        problem = _record_problem(record)
+        if problem:
+            quarantine(p, self.cache_root, "attack", problem)
+            return None
+        return record
 
     def put(self, key: str, record: dict[str, Any]) -> None:
         atomic_write_text(self.path(key), json.dumps(record, sort_keys=True, default=str))

@@ -143,6 +143,17 @@ def heal_shard(folder: Path, cache_root: Path, kind: str) -> None:
         quarantine(folder, cache_root, kind, f"{folder.name} is a file where the cache keeps a folder of entries")
 
 
+def cache_folder(cache_root: str | os.PathLike, name: str, kind: str) -> Path:
+    """``<cache_root>/<name>``, the folder of one kind of entry, created; a file standing
+    there (nothing could be stored under it) is quarantined first, like a damaged entry."""
+    cache_root = Path(cache_root)
+    folder = cache_root / name
+    if folder.exists() and not folder.is_dir():
+        quarantine(folder, cache_root, kind, f"{name} is a file where the cache keeps its folder of {kind} entries")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def stable_hash(obj: Any) -> str:
     """sha256 of a JSON-serialisable object with sorted keys."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
@@ -214,8 +225,7 @@ class ImageCache:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.cache_root = Path(root)
-        self.root = self.cache_root / "images"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = cache_folder(self.cache_root, "images", "image")
         sweep_stale_tmp(self.root)
 
     def path(self, key: str) -> Path:
@@ -272,7 +282,7 @@ class ImageCache:
         buf = io.BytesIO()
         Image.fromarray(image).save(buf, format="PNG", compress_level=1, pnginfo=info)
         heal_shard(self.path(key).parent, self.cache_root, "image")
-        atomic_write_bytes(self.path(key), buf.getvalue(), fsync=False)
+        atomic_write_bytes(self.path(key), buf.getvalue(), fsync=False, what="an image")
         return digest
 
 
@@ -291,8 +301,7 @@ class ScoreCache:
 
     def __init__(self, root: str | os.PathLike, classifier_key: str) -> None:
         self.cache_root = Path(root)
-        self.root = self.cache_root / "scores" / classifier_key
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = cache_folder(cache_folder(self.cache_root, "scores", "score"), classifier_key, "score")
         sweep_stale_tmp(self.root)
 
     def path(self, image_hash: str) -> Path:
@@ -335,7 +344,7 @@ class ScoreCache:
         buf = io.BytesIO()
         np.savez(buf, probs=probs, record=np.array(json.dumps(record, sort_keys=True)))
         heal_shard(self.path(image_hash).parent, self.cache_root, "score")
-        atomic_write_bytes(self.path(image_hash), buf.getvalue(), fsync=False)
+        atomic_write_bytes(self.path(image_hash), buf.getvalue(), fsync=False, what="judge scores")
 
 
 class ClassifierScoreCache:

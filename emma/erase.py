@@ -34,9 +34,9 @@ import torch
 
 from emma.api.domain import Domain
 from emma.api.method import OTHERS, ErasureMethod
-from emma.cache import DamagedEntry, quarantine, stable_hash, sweep_stale_tmp
+from emma.cache import DamagedEntry, cache_folder, quarantine, stable_hash, sweep_stale_tmp
 from emma.errors import ConfigError, NonFiniteError, first_line
-from emma.files import TMP_SUFFIX, atomic_write_text, sha256_file
+from emma.files import TMP_SUFFIX, atomic_write_text, sha256_file, storing
 from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint, freeze
 
@@ -153,8 +153,7 @@ def erase_cached(
                     cpu_threads=torch.get_num_threads() if on_cpu else None, others=_others_of(method, domain))
     if not method.edited_components:
         return EraseResult(pipe, key, base_fingerprint, 0.0, True, {"method": method.config()})
-    root = Path(cache_root) / "erased"
-    root.mkdir(parents=True, exist_ok=True)
+    root = cache_folder(cache_root, "erased", "erased_model")
     sweep_stale_tmp(root)
     entry = root / key
     hit = _load_verified(pipe, method, key, entry, cache_root)
@@ -192,18 +191,31 @@ def _load_verified(pipe: Any, method: ErasureMethod, key: str, entry: Path,
 @contextlib.contextmanager
 def erase_lock(root: Path, key: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``<root>/.<key>.lock`` (works across processes and, through
-    the kernel's lock manager, across NFS clients)."""
+    the kernel's lock manager, across NFS clients). The lock file is removed when released;
+    one left by a killed process holds no lock and is taken over."""
     path = root / f".{key}.lock"
-    with open(path, "a+") as f:
+    while True:
+        f = open(path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("erase: another job is erasing %s; waiting for it", key[:12])
             fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        try:  # the holder before us removes the file when done: lock the file that is there now
+            current = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        f.close()
+    try:
+        yield
+    finally:
+        # removed while still held (nothing is left behind, whatever the erase did); a waiter
+        # that opened this file finds it gone when it gets the lock and takes a new one
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        f.close()
 
 
 def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root: Path, key: str,
@@ -239,16 +251,28 @@ def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     tmp = root / f".{key}.{os.getpid()}{TMP_SUFFIX}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    for comp in method.edited_components:
-        getattr(pipe, comp).save_pretrained(tmp / comp, safe_serialization=True)
-    manifest["files"] = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-    manifest["checksum"] = _manifest_checksum(manifest)
-    atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, default=str))
+    # a full disk (or any failure) while storing leaves no temporary folder behind
+    with storing(entry, "the erased model", needed=_weights_bytes(pipe, method.edited_components), cleanup=tmp):
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for comp in method.edited_components:
+            getattr(pipe, comp).save_pretrained(tmp / comp, safe_serialization=True)
+        manifest["files"] = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+        manifest["checksum"] = _manifest_checksum(manifest)
+        atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, default=str))
     try:
         os.replace(tmp, entry)
     except OSError:  # a concurrent job stored the same entry first; both are identical
         shutil.rmtree(tmp, ignore_errors=True)
     return EraseResult(pipe, key, fp, wall, False, manifest)
+
+
+def _weights_bytes(pipe: Any, components: Sequence[str]) -> int:
+    """The bytes of the tensors of ``components``: about what storing them takes."""
+    total = 0
+    for comp in components:
+        module = getattr(pipe, comp, None)
+        if isinstance(module, torch.nn.Module):
+            total += sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    return total

@@ -37,7 +37,7 @@ from typing import Any
 
 from emma import registry
 from emma.errors import EmmaError
-from emma.files import atomic_write_text, sha256_file, update_with_file
+from emma.files import atomic_write_text, sha256_file, storing, update_with_file
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("emma", "methods", "attackers", "classifiers", "stace")
@@ -251,8 +251,10 @@ def serve(found: Path, output_dir: str | os.PathLike) -> Path:
     try:
         try:
             files = json.loads((found / MANIFEST).read_text())["files"]
-            for f, tmp in tmps.items():
-                shutil.copyfile(found / f, tmp)
+            needed = sum(int(files[f].get("size") or 0) for f in FILES if isinstance(files.get(f), dict))
+            with storing(out, "the finished cell's results", needed=needed):
+                for f, tmp in tmps.items():
+                    shutil.copyfile(found / f, tmp)
             reason = next((r for f, tmp in tmps.items() if (r := _mismatch(tmp, files[f], f))), None)
         except (OSError, ValueError, KeyError, TypeError) as err:
             reason = f"unreadable while served ({type(err).__name__}: {err})"
@@ -274,8 +276,10 @@ def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Pa
     """Store a finished cell's files under its key (``key`` as computed before the run), with
     the manifest that :func:`entry` verifies (an intact entry with this key is kept, a damaged
     one quarantined and replaced)."""
+    from emma.cache import cache_folder  # numpy, PIL: the cell ran, they are loaded
+
     key = key or cell_key(cfg)
-    root = cache_dir(cfg) / "results"
+    root = cache_folder(cache_dir(cfg), "results", "results")
     dest = root / key
     if dest.exists():
         reason = damage(dest)
@@ -283,15 +287,18 @@ def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Pa
             return dest
         _quarantine(dest, reason)
     tmp = root / f".{key}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in FILES:
-        shutil.copyfile(Path(output_dir) / f, tmp / f)
-    atomic_write_text(tmp / KEY_FILE, json.dumps(cell_inputs(cfg), sort_keys=True, indent=1, default=str))
-    # last, hashed from the stored copies: the manifest vouches for what the entry holds
-    manifest = {"format": MANIFEST_FORMAT, "key": key,
-                "files": {f: {"sha256": sha256_file(tmp / f), "size": (tmp / f).stat().st_size} for f in STORED}}
-    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    needed = sum((Path(output_dir) / f).stat().st_size for f in FILES)
+    with storing(dest, "the finished cell", needed=needed, cleanup=tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in FILES:
+            shutil.copyfile(Path(output_dir) / f, tmp / f)
+        atomic_write_text(tmp / KEY_FILE, json.dumps(cell_inputs(cfg), sort_keys=True, indent=1, default=str))
+        # last, hashed from the stored copies: the manifest vouches for what the entry holds
+        manifest = {"format": MANIFEST_FORMAT, "key": key,
+                    "files": {f: {"sha256": sha256_file(tmp / f), "size": (tmp / f).stat().st_size}
+                              for f in STORED}}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     try:
         os.replace(tmp, dest)
     except OSError:  # stored concurrently by another job: identical inputs, identical entry

@@ -11,9 +11,7 @@ configs (diffusers' test sizes) for plumbing tests.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from emma.model_config import (  # noqa: F401  (re-exported)
     SCHEDULERS,
     ModelConfig,  # noqa: F401  (re-exported: the schema of conf/model)
 )
+from emma.model_config import check_pipeline_folder as _check_pipeline_folder
 from emma.weights import looks_like_path
 
 TINYWORLD_DIR = Path(__file__).resolve().parent / "tinyworld" / "assets" / "pipeline"
@@ -139,48 +138,6 @@ def _from_pretrained(
             f"  then run with model.pretrained=/path/to/{Path(pretrained).name}.\n"
             f"  Cause: {cause}"
         ) from None
-
-
-PIPELINE_FOLDER = ("a diffusers pipeline folder holds model_index.json (a JSON object naming the pipeline's "
-                   "`_class_name` and its components) and a subfolder per component (unet/, vae/, ...)")
-
-
-def _check_pipeline_folder(pretrained: str, skip: Collection[str] = ()) -> None:
-    """Refuse a local ``model.pretrained`` that cannot be a diffusers pipeline folder with one
-    line naming it and what such a folder holds (diffusers answers a missing path with a hub
-    lookup and a model_index.json without ``_class_name`` with a bare ``KeyError``).
-    Components in ``skip`` are passed to ``from_pretrained`` and need no subfolder."""
-    folder = Path(pretrained)
-    if not folder.exists():
-        raise WeightsUnavailableError(
-            f"model.pretrained {pretrained!r} looks like a local path but does not exist "
-            f"({folder.absolute()}); give an existing pipeline folder or a hub id (org/name)")
-    if not folder.is_dir():
-        raise WeightsUnavailableError(
-            f"model.pretrained {pretrained!r} is a file, not a folder; {PIPELINE_FOLDER}")
-    index = folder / "model_index.json"
-    try:
-        spec = json.loads(index.read_text())
-    except FileNotFoundError:
-        problem = "it has no model_index.json"
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        problem = f"its model_index.json is not valid JSON ({type(err).__name__})"
-    else:
-        if not isinstance(spec, dict):
-            problem = f"its model_index.json holds a {type(spec).__name__}, not an object"
-        elif not spec.get("_class_name"):
-            problem = "its model_index.json has no `_class_name`"
-        else:
-            missing = sorted(
-                name for name, value in spec.items()
-                if not name.startswith("_") and name not in skip and isinstance(value, list)
-                and len(value) == 2 and value[0] is not None and not (folder / name).is_dir()
-            )
-            if not missing:
-                return
-            problem = f"it lacks the subfolder{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
-    raise WeightsUnavailableError(
-        f"model.pretrained folder {pretrained!r} is not a diffusers pipeline folder: {problem}; {PIPELINE_FOLDER}")
 
 
 def tiny_random_pipeline(seed: int = 0) -> Any:

@@ -4,9 +4,10 @@
     python -m emma.run method=esd concept=circle
     python -m emma.run -m method=none,esd,uce domain=tinyworld,tinyworld_style
 
-Exit codes: 0 done; 2 a user error (bad setting, missing weights, a run directory that already
-holds results), reported in a few lines without a traceback, before any work where it can be
-known then; 130 interrupted (Ctrl-C; the cache keeps every finished image); 1 a bug.
+Exit codes (:mod:`emma.exit_codes`, the README's table): 0 done; 2 a user error (bad setting,
+missing weights, a run directory that already holds results), reported in a few lines without
+a traceback, before any work where it can be known then; 3 the disk is full; 130 interrupted
+(Ctrl-C; the cache keeps every finished image); 1 a bug, or a sweep with failed cells.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from emma import registry
+from emma import exit_codes, registry
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError, first_line
 from emma.registry import register_configs
 from emma.validate import (
@@ -68,10 +69,14 @@ def _write_error(out: str | Path, err: BaseException) -> None:
 
     from emma.files import atomic_write_text
 
-    atomic_write_text(Path(out) / "error.json", json.dumps({
-        "error": f"{type(err).__name__}: {err}",
-        "traceback": "".join(traceback.format_exception(err))[-8000:],
-    }, indent=2) + "\n")
+    try:
+        atomic_write_text(Path(out) / "error.json", json.dumps({
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": "".join(traceback.format_exception(err))[-8000:],
+        }, indent=2) + "\n")
+    except (OSError, EmmaError) as write_err:  # e.g. the disk that stopped the cell is still full
+        print(f"warning: could not write {Path(out) / 'error.json'} ({first_line(write_err)}); the sweep "
+              "report still lists the cell's error", file=sys.stderr)
 
 
 RUN_DIR_LOCK = ".emma-cell.lock"
@@ -135,7 +140,7 @@ def _interrupted(cfg: DictConfig, out: str | Path) -> None:
     print(f"interrupted: no results.json was written to {out}; every image, score and erased model "
           f"finished so far is kept in the cache {cache}; run the same command again to resume",
           file=sys.stderr)
-    sys.exit(130)
+    sys.exit(exit_codes.INTERRUPTED)
 
 
 def _user_error(err: BaseException) -> EmmaError | None:
@@ -172,10 +177,9 @@ def execute(cfg: DictConfig, out: str | Path, ctx: Any = None, multirun: bool = 
             _write_error(out, err)
             cause = _user_error(err) or err
             raise CellFailedError(f"{type(cause).__name__}: {cause}") from err
-        if _user_error(err) is not None:
+        if (user := _user_error(err)) is not None:
             # a component refused its configuration: show its own message, not a traceback
-            print(f"error: {_user_error(err)}", file=sys.stderr)
-            sys.exit(2)
+            _exit_with(user)
         raise
     from emma.loggers import log_cell
 
@@ -204,8 +208,23 @@ def _claim_or_exit(stack: contextlib.ExitStack, out: str | Path, overrides: list
     try:
         stack.enter_context(claim_run_dir(out, " ".join(overrides)))
     except EmmaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with(err)
+
+
+def _exit_with(err: EmmaError) -> None:
+    """Print the harness error ``err`` as ``error: ...`` and exit with its code
+    (:attr:`EmmaError.exit_code`: 2 a user error, 3 a full disk)."""
+    _close_progress_bars()
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(err.exit_code)
+
+
+def _close_progress_bars() -> None:
+    """End the progress bars a failed stage left open, so that the error starts its own line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", None) or []):
+        with contextlib.suppress(Exception):
+            bar.close()
 
 
 def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
@@ -228,8 +247,7 @@ def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
     try:
         check_output_dir(out, overwrite)
     except EmmaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with(err)
     return execute(cfg, out, multirun=multirun)
 
 
@@ -284,8 +302,7 @@ def _run_task(cfg: DictConfig, ctx: Any, claimed: bool) -> dict | None:
         try:
             check_output_dir(out, bool(cfg.get("overwrite", False)))
         except EmmaError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
+            _exit_with(err)
         return execute(cfg, out, ctx)
 
 
@@ -317,8 +334,8 @@ def preflight(argv: list[str]) -> int:
             check_overrides(argv)
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return err.exit_code
+    return exit_codes.OK
 
 
 def list_components(argv: list[str]) -> int:
@@ -333,8 +350,8 @@ def list_components(argv: list[str]) -> int:
         print(registry.listing(what, domain))
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return err.exit_code
+    return exit_codes.OK
 
 
 def cli() -> None:
@@ -351,10 +368,9 @@ def cli() -> None:
             sys.argv[1:] = scale_alias(argv) + registry.searchpath_override()
     except KeyboardInterrupt:
         print("interrupted before any cell started; nothing was written", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(exit_codes.INTERRUPTED)
     except EmmaError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with(err)
     if code:
         sys.exit(code)
     main()

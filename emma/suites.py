@@ -19,6 +19,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Sequence
 
+from emma import exit_codes
 from emma.errors import EmmaError, UnknownChoiceError
 
 COMMANDS = ("list", "show", "counts", "defects", "download")
@@ -152,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(__doc__)
-        return 0
+        return exit_codes.OK
     command, rest = argv[0], argv[1:]
     try:
         if command not in COMMANDS:
@@ -162,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
          "download": _cmd_download}[command](options, overrides)
     except EmmaError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return exc.exit_code
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

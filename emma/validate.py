@@ -36,7 +36,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from emma import registry
 from emma.api.types import EA_TYPES, RA_TYPES
 from emma.config import to_python
-from emma.errors import ConfigError, EmmaError, UnknownChoiceError, first_line
+from emma.errors import ConfigError, EmmaError, UnknownChoiceError, WeightsUnavailableError, first_line
 
 #: Upper bounds that keep a typo (``images_per_prompt=1000000000``) from eating the machine.
 MAX_IMAGES_PER_PROMPT = 10_000
@@ -228,9 +228,14 @@ def _check_model(model: Any, out: list[Violation]) -> None:
     kind = _get(model, "kind")
     _enum(out, "model.kind", kind, MODEL_KINDS)
     if kind == "diffusers":
-        _nonempty_str(out, "model.pretrained", _get(model, "pretrained"), "a hub id or a local folder")
-        from emma.model_config import PIPELINE_CLASSES
+        pretrained = _get(model, "pretrained")
+        from emma.model_config import PIPELINE_CLASSES, check_local_pretrained
 
+        if _nonempty_str(out, "model.pretrained", pretrained, "a hub id or a local folder"):
+            try:  # a local folder is checked now: a sweep refuses it before any job starts
+                check_local_pretrained(pretrained, _get(model, "pipeline_class"))
+            except WeightsUnavailableError as err:
+                out.append(Violation("model.pretrained", pretrained, str(err), message=str(err)))
         _enum(out, "model.pipeline_class", _get(model, "pipeline_class"), PIPELINE_CLASSES)
     from emma.model_config import DTYPE_NAMES, SCHEDULERS
 
@@ -290,6 +295,12 @@ def _check_cache(paths: Any, out: list[Violation]) -> None:
     if not _nonempty_str(out, "paths.cache_dir", cache_dir, "the cache folder; or set $EMMA_CACHE"):
         return
     root = Path(cache_dir).expanduser()
+    above = next((p for p in (root, *root.parents) if p.exists()), None)
+    if above is not None and not above.is_dir():
+        where = "it is a file" if above == root else f"it is inside {above}, which is a file"
+        out.append(Violation("paths.cache_dir", cache_dir, f"cannot write there: {where}; give a folder "
+                                                           "(or set $EMMA_CACHE)"))
+        return
     try:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-", suffix=".tmp"):
@@ -643,6 +654,9 @@ def _explain_compose_error(err: BaseException, overrides: Sequence[str],
             "not in struct" in text or "not in '" in text:
         valid = _node_keys(base, key) if base is not None and key else []
         where = f"'{key.rpartition('.')[0]}'" if key and "." in key else "the top level"
+        hint = _auto_judge_hint(base, key, value)
+        if hint:
+            return culprit, Violation(name, value, hint)
         if not valid:
             return culprit, Violation(name, value, f"unknown key; {where} takes no settings")
         return culprit, Violation(name, value, f"unknown key; {_did_you_mean(key.rpartition('.')[2], valid)}"
@@ -650,6 +664,24 @@ def _explain_compose_error(err: BaseException, overrides: Sequence[str],
     if cause is not None and type(cause).__name__ == "ValidationError":
         return culprit, Violation(name, value, first_line(cause).replace("Value ", "value ", 1))
     return culprit, Violation(name, value, first_line(err))
+
+
+def _auto_judge_hint(base: DictConfig | None, key: str | None, value: Any) -> str | None:
+    """For ``classifier.KEY=V`` with ``classifier=auto`` (which takes no settings): the message
+    that names the domain's concrete judge, whose settings KEY belongs to."""
+    if base is None or not key or not key.startswith("classifier.") or key.count(".") != 1:
+        return None
+    node = OmegaConf.select(base, "classifier")
+    if not isinstance(node, DictConfig) or "_target_" in node:
+        return None
+    judge = OmegaConf.select(base, "domain.classifier", default=None)
+    domain = OmegaConf.select(base, "domain.name", default="?")
+    if not judge:
+        return None
+    leaf = key.split(".", 1)[1]
+    return (f"unknown key: classifier=auto takes no settings of its own; it stands for the domain's judge "
+            f"(domain '{domain}': '{judge}'), so name the judge to set its {leaf}: classifier={judge} "
+            f"classifier.{leaf}={_show(value)}")
 
 
 def is_multirun(argv: Sequence[str]) -> bool:
@@ -791,6 +823,10 @@ def check_output_dirs(overrides: Sequence[str], multirun: bool) -> None:
     keeps its results.json (emma/run.py). Default directories carry a timestamp."""
     values = dict(o.split("=", 1) for o in overrides if "=" in o)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    for k in ("hydra.run.dir", "hydra.sweep.dir"):
+        if k in values and not values[k].strip().strip("'\""):  # Hydra would write into the current folder
+            raise ConfigError(f"{k}={values[k]!r} is empty; give a folder (or leave {k} out for a new "
+                              "timestamped one)")
     folder = values.get(key)
     if folder and "$" not in folder:
         check_writable_dir(key, folder)

@@ -35,6 +35,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from emma import exit_codes
 from emma.errors import UnknownChoiceError, WeightsUnavailableError
 
 ENV_CACHE = "EMMA_CACHE"
@@ -576,20 +577,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{entry.name:28s} {_fmt_size(entry.size):>9s}  {state:7s}  {entry.license}")
                 print(f"    {entry.description}")
             print(f"cache: {weights_dir()}")
-            return 0
+            return exit_codes.OK
         if args.cmd == "path":
             print(weights_dir(get_entry(args.name).name))
-            return 0
+            return exit_codes.OK
         if args.cmd == "verify":
-            rc = 0
+            rc = exit_codes.OK
             for name in args.names or list(REGISTRY):
                 for st in file_status(get_entry(name)):
                     if not st.exists:
                         print(f"{name}/{st.file.path}: MISSING ({st.path})")
-                        rc = rc or 1
+                        rc = exit_codes.USER_ERROR  # missing weights
                     elif st.problem:
                         print(f"{name}/{st.file.path}: BAD {st.problem}")
-                        rc = 2
+                        rc = exit_codes.USER_ERROR
                     else:
                         pin = "ok" if st.file.sha256 else "unpinned"
                         print(f"{name}/{st.file.path}: {pin} sha256 {st.sha256}")
@@ -598,11 +599,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in args.names:
                 resolved = fetch(name)
                 print(f"{name}: ok ({resolved.fingerprint})")
-            return 0
+            return exit_codes.OK
     except (WeightsUnavailableError, UnknownChoiceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return exc.exit_code
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -13,22 +13,22 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from emma.evidence import EVIDENCE_DIR, read_evidence
+from emma.evidence import EVIDENCE_DIR, EvidenceError, read_evidence
 from emma.loggers import image_grid
 
 
 def wandb_columns(table: Any) -> list[str]:
-    """Coordinates, then each metric as value, ``_ci_low``, ``_ci_high`` and ``_n`` (as the CSV)."""
-    coords = [c for c in table.columns if c not in table.metric_columns]
-    return coords + [f"{m}{s}" for m in table.metric_columns for s in ("", "_ci_low", "_ci_high", "_n")]
+    """Coordinates, then each metric as value, ``_ci_low``, ``_ci_high`` and ``_n`` (and
+    ``_min``, ``_max``, ``_sd`` for rows pooled over seeds), as the CSV."""
+    from leaderboards.render import metric_header
+
+    return metric_header(table)
 
 
 def wandb_values(table: Any, row: dict[str, Any]) -> list[Any]:
-    values = [row.get(c) for c in table.columns if c not in table.metric_columns]
-    for m in table.metric_columns:
-        cell = row.get(m) or {}
-        values += [cell.get("value"), cell.get("ci_low"), cell.get("ci_high"), cell.get("n")]
-    return values
+    from leaderboards.render import metric_values
+
+    return metric_values(table, row)
 
 
 def publish_wandb(board: Any, project: str = "emma-leaderboard", entity: str | None = None) -> str:
@@ -61,7 +61,10 @@ def _publish(board: Any, project: str, entity: str | None, mode: str) -> str:
     try:
         grids: dict[str, Any] = {}
         for c in board.cells:
-            items = read_evidence(c.path)
+            try:
+                items = read_evidence(c.path)
+            except EvidenceError:  # the build warned about it
+                items = []
             if items:
                 grids[c.anchor] = wandb.Image(
                     image_grid([c.path / EVIDENCE_DIR / e["file"] for e in items]),

@@ -9,10 +9,10 @@ import io
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from emma.evidence import EVIDENCE_DIR, read_evidence
-from leaderboards.collect import Cell, FailedCell
+from emma.evidence import EVIDENCE_DIR, EvidenceError, missing_evidence, read_evidence
+from leaderboards.collect import Cell, FailedCell, InvalidCell, MissingCell
 from leaderboards.tables import Table, fmt, mean_metric, sort_value
 
 
@@ -26,34 +26,57 @@ def markdown(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: per metric, the CSV (and W&B) columns: the value, its interval and count; for a table
+#: with rows pooled over seeds also the range and the sample sd over seeds
+METRIC_FIELDS = ("value", "ci_low", "ci_high", "n")
+POOLED_FIELDS = ("min", "max", "sd")
+
+
+def metric_fields(table: Table) -> tuple[str, ...]:
+    pooled = any(isinstance(row.get(m), dict) and row[m].get("pooled")
+                 for row in table.rows for m in table.metric_columns)
+    return METRIC_FIELDS + (POOLED_FIELDS if pooled else ())
+
+
+def metric_header(table: Table) -> list[str]:
+    """Coordinates, then ``<metric>``, ``<metric>_ci_low``, ``_ci_high``, ``_n`` (``_min``,
+    ``_max``, ``_sd`` when rows are pooled over seeds)."""
+    coords = [c for c in table.columns if c not in table.metric_columns]
+    return coords + [m if f == "value" else f"{m}_{f}" for m in table.metric_columns for f in metric_fields(table)]
+
+
+def metric_values(table: Table, row: dict[str, Any]) -> list[Any]:
+    out = [row.get(c) for c in table.columns if c not in table.metric_columns]
+    fields = metric_fields(table)
+    for m in table.metric_columns:
+        v = row.get(m) or {}
+        out += [v.get(f) for f in fields]
+    return out
+
+
 def csv_text(table: Table) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
-    coords = [c for c in table.columns if c not in table.metric_columns]
-    header = coords + [f"{m}{s}" for m in table.metric_columns for s in ("", "_ci_low", "_ci_high", "_n")]
-    w.writerow(header)
+    w.writerow(metric_header(table))
     for row in table.rows:
-        out = [row.get(c, "") for c in coords]
-        for m in table.metric_columns:
-            v = row.get(m) or {}
-            out += [v.get("value", ""), v.get("ci_low", ""), v.get("ci_high", ""), v.get("n", "")]
-        w.writerow(["" if x is None else x for x in out])
+        w.writerow(["" if x is None else x for x in metric_values(table, row)])
     return buf.getvalue()
 
 
-def plot_tradeoff(cells: list[Cell], path: Path) -> bool:
+def plot_tradeoff(rows: list[list[Cell]], path: Path) -> bool:
     """EA (mean over prompt types) vs RA (mean over types), one point per method (mean over
-    concepts) and a faint point per cell."""
+    concepts) and a faint point per row (a concept; the mean over its seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     pts: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for c in cells:
-        ea, ra = mean_metric(c, "ea/"), mean_metric(c, "ra/")
-        if ea is not None and ra is not None:
-            pts[c.label or c.method].append((ra, ea))
+    for r in rows:
+        eas = [v for c in r if (v := mean_metric(c, "ea/")) is not None]
+        ras = [v for c in r if (v := mean_metric(c, "ra/")) is not None]
+        if eas and ras:
+            pts[r[0].display].append((sum(ras) / len(ras), sum(eas) / len(eas)))
     if not pts:
         return False
     fig, ax = plt.subplots(figsize=(6.5, 4), dpi=110)
@@ -70,7 +93,7 @@ def plot_tradeoff(cells: list[Cell], path: Path) -> bool:
     ax.set_ylabel("EA (erasing ability, mean over prompt types)")
     ax.set_xlim(-0.02, 1.02)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{cells[0].domain}: erasing vs retaining")
+    ax.set_title(f"{rows[0][0].domain}: erasing vs retaining")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
@@ -179,11 +202,26 @@ def _table_html(table: Table, with_links: bool) -> str:
     return "\n".join(out)
 
 
+def evidence_problem(cell: Cell) -> str | None:
+    """Why a cell's images cannot all be shown (a damaged index, image files gone), or None."""
+    try:
+        read_evidence(cell.path)
+    except EvidenceError as err:
+        return f"{err}; the cell is shown without its images"
+    gone = missing_evidence(cell.path)
+    return f"{cell.path / EVIDENCE_DIR}: {gone} image file(s) of the evidence index are missing" if gone else None
+
+
 def _evidence_html(cell: Cell) -> str:
-    items = read_evidence(cell.path)
+    try:
+        items = read_evidence(cell.path)
+    except EvidenceError:
+        items = []
     head = (f'<div class="evidence" id="{cell.anchor}"><h4>{html.escape(cell.domain)} / '
             f"{html.escape(cell.label or cell.method)} / {html.escape(cell.concept)} / "
-            f"{html.escape(cell.attacker)} <span class='note'>({html.escape(str(cell.path))})</span></h4>")
+            f"{html.escape(cell.attacker)}{f' / seed {cell.seed}' if cell.seed is not None else ''}"
+            f"{f' / {html.escape(cell.variant)}' if cell.variant else ''} "
+            f"<span class='note'>({html.escape(str(cell.path))})</span></h4>")
     if not items:
         return head + "<p class='note'>no images stored with this cell</p></div>"
     hits = sum(1 for e in items if e["detected"])
@@ -200,15 +238,38 @@ def _evidence_html(cell: Cell) -> str:
             + '<div class="grid">' + "".join(figs) + "</div></div>")
 
 
-def page(tables: list[Table], cells: list[Cell], failed: list[FailedCell], plots: dict[str, list[Path]],
-         notes: list[str]) -> str:
-    body = ["<h1>EMMA leaderboard</h1>",
-            f"<p class='note'>{len(cells)} cell(s), {len(failed)} failed. Click a column header to sort; "
-            "values are point estimates with 95% intervals.</p>"]
+def summary(cells: Sequence[Cell], failed: Sequence[FailedCell], invalid: Sequence[InvalidCell] = (),
+            missing: Sequence[MissingCell] = ()) -> str:
+    """``3 cell(s), 1 failed, 1 invalid, 2 missing``: every cell found is counted somewhere."""
+    return (f"{len(cells)} cell(s), {len(failed)} failed, {len(invalid)} invalid, "
+            f"{sum(m.count for m in missing)} missing")
+
+
+def problem_lines(failed: Sequence[FailedCell], invalid: Sequence[InvalidCell],
+                  missing: Sequence[MissingCell]) -> list[tuple[str, list[str]]]:
+    """The sections listing the cells that are not on the board: (title, one line each)."""
+    out = []
     if failed:
-        body.append("<h2 class='failed'>Failed cells</h2><ul class='failed'>")
-        body += [f"<li><code>{html.escape(f.overrides or str(f.path))}</code>: {html.escape(f.error)}</li>"
-                 for f in failed]
+        out.append(("Failed cells", [f"`{f.overrides or f.path}`: {f.error}" for f in failed]))
+    if invalid:
+        out.append(("Invalid cells (left off the tables)", [f"`{c.path}`: {'; '.join(c.problems)}" for c in invalid]))
+    if missing:
+        out.append(("Missing cells", [f"`{m.path}`: {m.reason}" for m in missing]))
+    return out
+
+
+def page(tables: list[Table], cells: list[Cell], failed: list[FailedCell], plots: dict[str, list[Path]],
+         notes: list[str], invalid: Sequence[InvalidCell] = (), missing: Sequence[MissingCell] = ()) -> str:
+    pooled = any(isinstance(r.get(m), dict) and r[m].get("pooled") for t in tables for r in t.rows
+                 for m in t.metric_columns)
+    body = ["<h1>EMMA leaderboard</h1>",
+            f"<p class='note'>{summary(cells, failed, invalid, missing)}. Click a column header to sort; "
+            "values are point estimates with 95% intervals"
+            + ("; rows of several seeds show the mean over seeds with its range (min–max) and the number of seeds"
+               if pooled else "") + ".</p>"]
+    for title, lines in problem_lines(failed, invalid, missing):
+        body.append(f"<h2 class='failed'>{html.escape(title)}</h2><ul class='failed'>")
+        body += [f"<li>{html.escape(line)}</li>" for line in lines]
         body.append("</ul>")
     for n in notes:
         body.append(f"<pre class='note'>{html.escape(n)}</pre>")
@@ -221,7 +282,8 @@ def page(tables: list[Table], cells: list[Cell], failed: list[FailedCell], plots
             if t.domain == d:
                 body.append(_table_html(t, with_links=t.kind != "asr"))
     body.append("<h2>Image evidence</h2>")
-    body += [_evidence_html(c) for c in sorted(cells, key=lambda c: (c.domain, c.label, c.concept, c.attacker))]
+    body += [_evidence_html(c) for c in sorted(cells, key=lambda c: (c.domain, c.label, c.concept, c.attacker,
+                                                                     c.variant, str(c.seed)))]
     return ("<!doctype html><html><head><meta charset='utf-8'><title>EMMA leaderboard</title>"
             f"<style>{STYLE}</style><script>{SCRIPT}</script></head><body>"
             + "\n".join(body) + "</body></html>\n")

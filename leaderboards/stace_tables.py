@@ -15,7 +15,8 @@
 Every table with STACE rows adds the cost study (Table D1): dollars and tokens per iteration
 and per successful hypothesis, pooled over the row's cells (total cost / total iterations;
 total cost / total successful hypotheses, empty when none succeeded). Averages are plain means
-over the concepts a row has (``n`` says how many).
+over the concepts a row has (``n`` says how many). Seeds of one concept are pooled (mean,
+min–max, number of seeds); cells at another budget are rows of their own.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from emma import exit_codes
 from emma.files import atomic_write_text
-from leaderboards.collect import Cell, LeaderboardError, find_result_files, parse_results
+from leaderboards.collect import Cell, LeaderboardError, find_result_files, parse_results, split_settings
 from leaderboards.render import csv_text, markdown
-from leaderboards.tables import Table
+from leaderboards.tables import Table, pool
 
 KINDS = ("table2", "table3", "debate", "asr")
 
@@ -129,7 +131,13 @@ def paper_table(cells: Sequence[Cell], kind: str, configs: dict[Path, dict[str, 
 
 
 def _avg_of(cells: Sequence[Cell], key: str) -> dict[str, Any] | None:
-    return _mean([v for c in cells if (v := _value(c.metrics.get(key))) is not None])
+    """The mean over concepts of ``key`` (``n`` concepts); a concept's replicates count once,
+    with their mean."""
+    by_concept: dict[str, list[float]] = defaultdict(list)
+    for c in cells:
+        if (v := _value(c.metrics.get(key))) is not None:
+            by_concept[c.concept].append(v)
+    return _mean([sum(vs) / len(vs) for vs in by_concept.values()])
 
 
 def _stace_extra(cells: Sequence[Cell]) -> dict[str, Any]:
@@ -154,19 +162,20 @@ def _grid(cells: Sequence[Cell], configs: dict[Path, dict[str, Any]], row_name: 
     concepts = sorted({c.concept for c in cells})
     rows_cells: dict[str, list[Cell]] = defaultdict(list)
     for c in cells:
-        rows_cells[label(c, configs.get(c.path, {}))].append(c)
+        row_label = label(c, configs.get(c.path, {}))
+        rows_cells[f"{row_label} [{c.variant}]" if c.variant else row_label].append(c)
     rows, extra_cols = [], []
     for row_label in sorted(rows_cells):
         group = rows_cells[row_label]
-        seen: dict[str, Cell] = {}
-        for c in sorted(group, key=lambda c: c.mtime):  # the newest cell of a concept counts
-            seen[c.concept] = c
+        by_concept: dict[str, list[Cell]] = defaultdict(list)
+        for c in group:  # replicates (seeds) of a concept are pooled, never "the newest counts"
+            by_concept[c.concept].append(c)
         row: dict[str, Any] = {row_name: row_label}
         for concept in concepts:
-            row[concept] = metric(seen[concept]) if concept in seen else None
+            row[concept] = pool([metric(c) for c in by_concept[concept]]) if concept in by_concept else None
         vals = [v for concept in concepts if (v := _value(row[concept])) is not None]
         row["avg"] = _mean(vals)
-        more = extra(list(seen.values()))
+        more = extra(group)
         for k in more:
             if k not in extra_cols:
                 extra_cols.append(k)
@@ -178,12 +187,22 @@ def _grid(cells: Sequence[Cell], configs: dict[Path, dict[str, Any]], row_name: 
     return [table]
 
 
-def build(runs: Sequence[str | Path], kinds: Sequence[str], out: str | Path | None = None) -> list[Table]:
-    """Read every results.json under ``runs`` and write ``stace_<kind>.{md,csv}`` into ``out``."""
+def build(runs: Sequence[str | Path], kinds: Sequence[str], out: str | Path | None = None,
+          notes: list[str] | None = None) -> list[Table]:
+    """Read every results.json under ``runs`` and write ``stace_<kind>.{md,csv}`` into ``out``.
+
+    Cells that differ only in their seed are pooled per concept (mean, min–max, n seeds);
+    cells at other budgets or settings are rows of their own (``esd-100 [images_per_prompt=12]``);
+    a cell with a value that is no number is left out. ``notes`` (when given) receives why."""
     results, _ = find_result_files(runs)
     if not results:
         raise LeaderboardError(f"no results.json under {', '.join(map(str, runs))}")
-    cells = [parse_results(p) for p in results]
+    parsed = [parse_results(p) for p in results]
+    cells = [c for c in parsed if not c.problems]
+    said = [f"{c.path / 'results.json'}: {'; '.join(c.problems)}; the cell is left out" for c in parsed if c.problems]
+    said += split_settings(cells)
+    if notes is not None:
+        notes += said
     tables = [t for kind in kinds for t in paper_table(cells, kind)]
     if out is not None:
         out = Path(out)
@@ -200,14 +219,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--table", action="append", choices=KINDS, help="which layout(s); default: all")
     ap.add_argument("--out", default=None, help="folder for stace_<table>.md/.csv (default: print only)")
     args = ap.parse_args(argv)
+    notes: list[str] = []
     try:
-        tables = build(args.runs, args.table or list(KINDS), args.out)
+        tables = build(args.runs, args.table or list(KINDS), args.out, notes)
     except LeaderboardError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
     for t in tables:
         print(markdown(t))
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """Per-domain leaderboard tables from cell records (pure functions).
 
-- ``methods``: one row per cell (model, method, concept, attacker), EMMA-style columns: EA
-  per prompt type, RA, FID, bias, timing — every metric the cells carry except attack ones.
+- ``methods``: one row per setting (model, method, concept, attacker; ``setting`` when cells
+  of one method differ in budget or settings), EMMA-style columns: EA per prompt type, RA,
+  FID, bias, timing — every metric the cells carry except attack ones. Cells that differ
+  only in their seed are one row: the mean over seeds with its range (min–max) and
+  ``n_seeds`` (:func:`pool`); a single seed shows its value with its 95% interval.
 - ``attacks``: one row per cell that ran an attacker other than the static suite, or that has
   STACE metrics: ASR before/after the attack, SIR_H / SIR_I / EII / SER and the LLM's cost
   (``stace/cost_*``, the LLM baselines' ``llm/*``) when present.
-- ``asr``: attacker x method, ASR averaged over the concepts (the plotted matrix).
+- ``asr``: attacker x method, ASR averaged over the concepts (the plotted matrix; a row's
+  pooled mean counts once).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from collections import defaultdict
 from typing import Any
 
 from leaderboards.collect import Cell
+
+#: how a pooled value (several seeds) is written: mean, then (min–max, n seeds)
+POOLED = "mean over seeds (min–max, n seeds)"
 
 ATTACK_KEYS = re.compile(r"^(asr($|/)|stace/|llm/|sir_h|sir_i|eii|ser($|/))", re.I)
 STACE_KEYS = re.compile(r"(^|/)(sir_h|sir_i|eii|ser)($|/)", re.I)
@@ -45,7 +52,8 @@ def metric_order(key: str) -> tuple:
 
 
 def fmt(m: Any, digits: int = 3) -> str:
-    """``0.812 [0.700, 0.900]`` for a metric with an interval; the value alone otherwise."""
+    """``0.812 [0.700, 0.900]`` for a metric with an interval; the value alone otherwise;
+    ``0.800 (0.700–0.900, 3 seeds)`` for a value pooled over seeds (:func:`pool`)."""
     if m is None:
         return ""
     if not isinstance(m, dict):
@@ -53,11 +61,39 @@ def fmt(m: Any, digits: int = 3) -> str:
     v = m.get("value")
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
-    lo, hi = m.get("ci_low"), m.get("ci_high")
     s = f"{v:.{digits}f}" if isinstance(v, (int, float)) else str(v)
+    if m.get("pooled"):
+        k = m.get("n_seeds", 0)
+        if k > 1:
+            return s + f" ({m['min']:.{digits}f}–{m['max']:.{digits}f}, {k} seeds)"
+        return s + f" ({k} seed{'s' if k != 1 else ''})"
+    lo, hi = m.get("ci_low"), m.get("ci_high")
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and not (math.isnan(lo) or math.isnan(hi)):
         s += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
     return s
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def pool(metrics: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One metric over the replicates (seeds) of a row: the record itself for one replicate;
+    else ``{value: mean, min, max, sd (sample, n-1), n_seeds, n, pooled: True}`` over the
+    replicates with a value (``n`` the per-replicate count when all agree)."""
+    present = [m for m in metrics if m is not None]
+    if not present:
+        return None
+    if len(metrics) == 1:
+        return present[0]
+    vals = [float(m["value"]) for m in present if _finite(m.get("value"))]
+    ns = {m.get("n") for m in present}
+    out: dict[str, Any] = {"pooled": True, "n_seeds": len(vals), "n": ns.pop() if len(ns) == 1 else None}
+    if not vals:
+        return {**out, "value": None, "min": None, "max": None, "sd": None}
+    mean = sum(vals) / len(vals)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+    return {**out, "value": mean, "min": min(vals), "max": max(vals), "sd": sd}
 
 
 def sort_value(m: Any) -> float | str:
@@ -67,57 +103,70 @@ def sort_value(m: Any) -> float | str:
     return "" if m is None else str(m)
 
 
-def _coords(cell: Cell) -> dict[str, Any]:
-    return {"model": cell.model, "method": cell.label or cell.method, "concept": cell.concept,
-            "attacker": cell.attacker, "_anchor": cell.anchor, "_path": str(cell.path),
-            "_evidence": cell.counts.get("evidence_images", 0)}
+def _coords(cells: list[Cell]) -> dict[str, Any]:
+    c = cells[0]
+    seeds = sorted({x.seed for x in cells if x.seed is not None})
+    return {"model": c.model, "method": c.label or c.method, "concept": c.concept, "attacker": c.attacker,
+            "setting": c.variant, "n_seeds": len({x.seed for x in cells}), "_anchor": c.anchor, "_path": str(c.path),
+            "_evidence": c.counts.get("evidence_images", 0), "_seeds": seeds, "_cells": [str(x.path) for x in cells],
+            "_display": c.display}
 
 
-def build_tables(cells: list[Cell]) -> list[Table]:
+def build_tables(rows: list[list[Cell]]) -> list[Table]:
+    """The tables of the rows :func:`leaderboards.collect.group_replicates` made (each a list
+    of replicate cells)."""
     tables: list[Table] = []
-    by_domain: dict[str, list[Cell]] = defaultdict(list)
-    for c in cells:
-        by_domain[c.domain].append(c)
+    by_domain: dict[str, list[list[Cell]]] = defaultdict(list)
+    for r in rows:
+        by_domain[r[0].domain].append(r)
     for domain, group in sorted(by_domain.items()):
-        group = sorted(group, key=lambda c: (c.model, c.label or c.method, c.concept, c.attacker))
-        mkeys = sorted({k for c in group for k in c.metrics if not ATTACK_KEYS.match(k)}, key=metric_order)
-        coords = ["model", "method", "concept", "attacker"]
+        group = sorted(group, key=lambda r: (r[0].model, r[0].label or r[0].method, r[0].concept, r[0].attacker,
+                                             r[0].variant))
+        cells = [c for r in group for c in r]
+        coords = ["model", "method", "concept", "attacker"] + (["setting"] if any(c.variant for c in cells) else [])
+        coords.append("n_seeds")
+        pooled = any(len(r) > 1 for r in group)
+        note = f"; pooled seeds: {POOLED}" if pooled else ""
+        mkeys = sorted({k for c in cells for k in c.metrics if not ATTACK_KEYS.match(k)}, key=metric_order)
         tables.append(Table(
             "methods", domain, coords + mkeys, mkeys,
-            [{**_coords(c), **{k: c.metrics.get(k) for k in mkeys}} for c in group],
-            title=f"{domain}: methods (95% CIs)"))
-        attacked = [c for c in group if c.attacker != "static" or any(STACE_KEYS.search(k) for k in c.metrics)]
+            [{**_coords(r), **{k: pool([c.metrics.get(k) for c in r]) for k in mkeys}} for r in group],
+            title=f"{domain}: methods (95% CIs{note})"))
+        attacked = [r for r in group
+                    if r[0].attacker != "static" or any(STACE_KEYS.search(k) for c in r for k in c.metrics)]
         if attacked:
-            akeys = sorted({k for c in attacked for k in c.metrics if ATTACK_KEYS.match(k)}, key=metric_order)
+            akeys = sorted({k for r in attacked for c in r for k in c.metrics if ATTACK_KEYS.match(k)},
+                           key=metric_order)
             tables.append(Table(
                 "attacks", domain, coords + akeys, akeys,
-                [{**_coords(c), **{k: c.metrics.get(k) for k in akeys}} for c in attacked],
-                title=f"{domain}: attacks (ASR, STACE metrics)"))
+                [{**_coords(r), **{k: pool([c.metrics.get(k) for c in r]) for k in akeys}} for r in attacked],
+                title=f"{domain}: attacks (ASR, STACE metrics{note})"))
         asr = asr_matrix(group)
         if asr is not None:
             tables.append(asr)
     return tables
 
 
-def asr_matrix(cells: list[Cell]) -> Table | None:
-    """Attacker x method ASR, the mean over concepts (n = number of concepts)."""
+def asr_matrix(rows: list[list[Cell]]) -> Table | None:
+    """Attacker x method ASR, the mean over concepts (n = number of concepts); a row pooled
+    over seeds counts once, with its mean. Methods split by settings are columns of their own."""
     vals: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for c in cells:
-        m = c.metrics.get("asr")
-        if m is not None and isinstance(m.get("value"), (int, float)):
-            vals[(c.attacker, c.label or c.method)].append(float(m["value"]))
+    for r in rows:
+        m = pool([c.metrics.get("asr") for c in r])
+        if m is not None and _finite(m.get("value")):
+            vals[(r[0].attacker, r[0].display)].append(float(m["value"]))
     if not vals:
         return None
     methods = sorted({m for _, m in vals})
-    rows = []
+    out = []
     for attacker in sorted({a for a, _ in vals}):
         row: dict[str, Any] = {"attacker": attacker}
         for method in methods:
             v = vals.get((attacker, method))
             row[method] = {"value": sum(v) / len(v), "n": len(v)} if v else None
-        rows.append(row)
-    domain = cells[0].domain
-    return Table("asr", domain, ["attacker"] + methods, methods, rows,
+        out.append(row)
+    domain = rows[0][0].domain
+    return Table("asr", domain, ["attacker"] + methods, methods, out,
                  title=f"{domain}: ASR by attacker x method (mean over concepts)")
 
 

@@ -24,6 +24,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from emma import exit_codes
 from emma.errors import EmmaError
 
 FILE_HEADER = struct.Struct("<4sHB")
@@ -208,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         run = read_run(args.run_dir)
     except (WandbReadError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     out = dataclasses.asdict(run)
     out["files_dir"] = str(run.files_dir)
     print(json.dumps(out, indent=1, default=str))
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

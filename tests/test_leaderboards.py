@@ -97,7 +97,7 @@ def test_leaderboard_rows_failed_cells_and_incremental_rebuild(sweep, tmp_path):
     ra = res["metrics"]["ra/random"]
     assert f"{ra['value']:.3f} [{ra['ci_low']:.3f}, {ra['ci_high']:.3f}]" in md
     csv = (tmp_path / "board" / "tinyworld_methods.csv").read_text().splitlines()
-    assert csv[0].startswith("model,method,concept,attacker,ea/name,ea/name_ci_low")
+    assert csv[0].startswith("model,method,concept,attacker,n_seeds,ea/name,ea/name_ci_low")
     html = (tmp_path / "board" / "index.html").read_text()
     assert "Failed cells" in html and MISSING_WEIGHTS in html
     assert html.count("data:image/png;base64,") == res["counts"]["evidence_images"] + 2  # + 2 plots

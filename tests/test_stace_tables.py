@@ -69,7 +69,7 @@ def test_table3_splits_esd_by_strength_and_debate_rows_by_m(tmp_path, capsys):
     assert _cell(t3, "esd-500", "avg EII") is None and _cell(t3, "esd-100", "avg SER")["value"] == 0.5
     assert _cell(t3, "esd-500", "$/success") is None  # nothing succeeded: no cost per success
     assert [r["debate rounds"] for r in tdeb.rows] == ["M=2"]
-    # a concept of a row counts once: the newest of the four M=2 circle cells
+    # a concept of a row counts once: the mean of the four M=2 circle cells, never the newest
     assert _cell(tdeb, "M=2", "avg Nov(H)")["n"] == 1
     assert main([str(tmp_path / "nothing-here")]) == 2
     assert "nothing-here: no such file" in capsys.readouterr().err
@@ -103,3 +103,25 @@ def test_paper_experiments_compose_and_every_task_is_a_concept_of_its_domain():
         for exp in ("stace_table2_tinyworld", "stace_table3_tinyworld", "stace_debate_tinyworld"):
             assert compose(config_name="config", overrides=[f"experiment={exp}"]).model.name == "tinyworld"
     GlobalHydra.instance().clear()
+
+
+def _edit(root, name, edit):
+    path = root / name / "results.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_seeds_of_a_concept_are_pooled_and_another_budget_is_its_own_row(tmp_path, capsys):
+    for name, seed, sir_i in (("s0", 0, 0.5), ("s1", 1, 0.25), ("big", 0, 0.1)):
+        _write(tmp_path, name, attacker="stace", concept="circle", metrics=_stace(0.5, 3, sir_i, 0.03, 100))
+        _edit(tmp_path, name, lambda d, seed=seed: d["config"].update(seed=seed))
+    _edit(tmp_path, "big", lambda d: d["config"].update(images_per_prompt=12))
+    (t,) = build([tmp_path], ["table2"])
+    pooled = _cell(t, "stace [images_per_prompt=None]", "circle")
+    assert pooled["value"] == pytest.approx(0.375)
+    assert (pooled["min"], pooled["max"], pooled["n_seeds"]) == (0.25, 0.5, 2)
+    assert _cell(t, "stace [images_per_prompt=12]", "circle")["value"] == 0.1
+    assert main([str(tmp_path), "--table", "table2"]) == 0
+    out = capsys.readouterr()
+    assert "0.375 (0.250–0.500, 2 seeds)" in out.out and "differ in images_per_prompt" in out.err

@@ -204,7 +204,7 @@ def test_cli_list_verify_fetch(cache, toy_entry, capsys):
     assert W.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "ml_decoder_tresnet_l_coco" in out and "196.5 MB" in out and "missing" in out
-    assert W.main(["verify", "toy"]) == 1
+    assert W.main(["verify", "toy"]) == 2  # missing weights: a user error
     assert "toy/sub/toy.bin: MISSING" in capsys.readouterr().out
     assert W.main(["fetch", "nudenet_32"]) == 2
     assert "Did you mean" in capsys.readouterr().err

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -17,12 +19,15 @@ from omegaconf import OmegaConf
 from emma import finished, registry
 from emma.attack import attack_records
 from emma.cache import repair_note, repairs_since
+from emma.errors import DiskFullError
 from emma.evidence import write_evidence
 from emma.files import atomic_write_text, sha256_file
 from emma.metrics import METRIC_VERSIONS
 from emma.metrics.timing import cpu_model
 from emma.results import CellInfo, CellResult, redact
 from emma.stages.context import CellContext
+
+log = logging.getLogger(__name__)
 
 
 def git_hash() -> str | None:
@@ -103,6 +108,34 @@ def counts(ctx: CellContext) -> dict[str, int]:
     return out
 
 
+#: an interpolation whose value follows the cell's concept
+CONCEPT_INTERPOLATION = re.compile(r"\$\{\s*(emma\.other_concepts\s*:|concept\s*\})")
+
+
+def concept_dependent(cfg: Any) -> dict[str, list[str]]:
+    """Per component (``method``, ``attacker``), the dotted keys of its settings whose value
+    follows the cell's concept (given as ``${emma.other_concepts:...}`` or ``${concept}``, as
+    the tiny-world presets do): the leaderboard compares cells of different concepts with
+    these values set aside, so one preset run on two concepts is one setting."""
+    out: dict[str, list[str]] = {}
+    for kind in ("method", "attacker"):
+        node = cfg.get(kind) if hasattr(cfg, "get") else None
+        if node is None:
+            continue
+        raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+        found = sorted(_interpolated_paths(raw, ""))
+        if found:
+            out[kind] = found
+    return out
+
+
+def _interpolated_paths(v: Any, path: str) -> list[str]:
+    if isinstance(v, dict):
+        return [p for k, x in v.items() if k != "_target_"
+                for p in _interpolated_paths(x, f"{path}.{k}" if path else str(k))]
+    return [path] if isinstance(v, str) and CONCEPT_INTERPOLATION.search(v) else []
+
+
 def versions(ctx: CellContext) -> dict[str, Any]:
     erased, guidance = ctx.erased, ctx.guidance
     return {
@@ -122,6 +155,7 @@ def versions(ctx: CellContext) -> dict[str, Any]:
         "runtime": runtime_info(),
         "presets": preset_choices(),
         "choices": config_choices(),
+        "concept_dependent": concept_dependent(ctx.cfg),
         "metrics": dict(METRIC_VERSIONS),
     }
 
@@ -147,4 +181,7 @@ def record(ctx: CellContext) -> None:
     result.save(out / "results.json")  # last: its presence marks a finished cell
     if finished.enabled(ctx.cfg) and ctx.attacker.complete():  # a partial attack is not a finished cell
         # key.json records the inputs with secrets and URL credentials removed (the key is ctx.key)
-        finished.store(redact(OmegaConf.to_container(ctx.cfg, resolve=True)), out, ctx.key)
+        try:
+            finished.store(redact(OmegaConf.to_container(ctx.cfg, resolve=True)), out, ctx.key)
+        except DiskFullError as err:  # results.json is complete: the cell is done, only not reusable
+            log.warning("%s (the cell's results.json is complete; it is only not kept for reuse)", err)
