@@ -200,12 +200,12 @@ class STACEAttacker(Attacker):
                                attack_cache=cache if self.cache_dir else None)
             outcome = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images",
                             tools=tools).run()
-        values = outcome.metrics(k)
+        values = outcome.metrics(k, None if self.replay else self.settings.iterations)
         n_success = sum(r.success for r in outcome.records)
         cost = gateway.spent_usd()
         m: dict[str, MetricValue] = {
             "stace/sir_h": values["sir_h"], "stace/sir_i": values["sir_i"], "stace/ser": values["ser"],
-            "stace/eii": MetricValue(value=values["eii"], n=len(outcome.records)),
+            "stace/eii": values["eii"],
             "stace/cost_usd": MetricValue(value=cost, n=len(outcome.records)),
             "stace/cost_per_success_usd": MetricValue(value=cost / n_success if n_success else None, n=n_success),
             "stace/cost_per_iteration_usd": MetricValue(value=cost / len(outcome.records) if outcome.records else None,

@@ -326,10 +326,12 @@ class STACEOutcome:
     stopped: str | None  # why the run ended early (budget), else None
     resumed_iterations: int
 
-    def metrics(self, k: int) -> dict[str, Any]:
+    def metrics(self, k: int, n_iterations: int | None = None) -> dict[str, Any]:
+        """SIR_H, SIR_I, EII, SER and novelty of the records (:mod:`stace.metrics`); ``N`` for
+        EII's no-success value is ``n_iterations`` (the configured N), else the records'."""
         success = [r.success for r in self.records]
         return {"sir_h": M.sir_h(success), "sir_i": M.sir_i([r.detected for r in self.records], k),
-                "eii": M.eii(success), "ser": M.ser([r.executed for r in self.records]),
+                "eii": M.eii_value(success, n_iterations), "ser": M.ser([r.executed for r in self.records]),
                 "novelty": M.novelty([r.novelty for r in self.records])}
 
 

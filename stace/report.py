@@ -16,7 +16,9 @@ def _fmt(v: Any) -> str:
     if v is None:
         return "null"
     if hasattr(v, "value"):
-        v = v.value
+        ci = (f" [{v.ci_low:.3f}, {v.ci_high:.3f}] ({v.method})"
+              if getattr(v, "ci_low", None) is not None and getattr(v, "ci_high", None) is not None else "")
+        return _fmt(v.value) + ci
     return "null" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
