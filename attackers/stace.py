@@ -57,6 +57,12 @@ RESULT_METRICS = ("asr", "stace/sir_h", "stace/sir_i", "stace/ser", "stace/eii",
                   "stace/cost_per_success_usd", "stace/cost_per_iteration_usd")
 
 
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"attacker.{key}={value!r}; valid: true, false")
+    return value
+
+
 def lost_to_llm(record: Any) -> bool:
     """An iteration without a hypothesis, or without probes because an LLM call failed."""
     return record.hypothesis is None or (not record.executed and record.error in LLM_LOST)
@@ -96,6 +102,8 @@ class STACEAttacker(Attacker):
         tolerate_llm_failures: when LLM failures cost the run its result, record the metrics
             as null (with the failure counts and a note) instead of ending the cell with an
             error; either way the cell is not stored as finished.
+        name_concept: whether hypotheses and probe plans may name the concept (the paper sets
+            no rule; ``false`` asks for prompts that avoid the name).
     """
 
     name = "stace"
@@ -111,7 +119,7 @@ class STACEAttacker(Attacker):
                  budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
                  prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
                  tool_scale: str | None = None, replay: str | None = None,
-                 tolerate_llm_failures: bool = False) -> None:
+                 tolerate_llm_failures: bool = False, name_concept: bool = True) -> None:
         llm_cfg = dict(to_python(llm) or {})
         self.deadline_s = pop_deadline(llm_cfg)
         self.tolerate_llm_failures = check_tolerate(tolerate_llm_failures)
@@ -144,7 +152,8 @@ class STACEAttacker(Attacker):
         self.settings = STACESettings(
             iterations=int(iterations), k=int(k), debate_rounds=int(debate_rounds), probe_mode=mode,
             max_code_repairs=int(max_code_repairs), top_k_cards=int(top_k_cards), seed=int(seed),
-            seed_hypothesis=seed_hypothesis, task=task, sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
+            seed_hypothesis=seed_hypothesis, task=task, name_concept=_flag("name_concept", name_concept),
+            sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
         self.preset = preset
         self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
         self.budget = budget
@@ -220,6 +229,8 @@ class STACEAttacker(Attacker):
         for what in ("retries", "repairs", "failures", "cache_hits"):
             m[f"stace/llm_{what}"] = MetricValue(value=sum(u[what] for u in usage.values()),
                                                  n=sum(u["calls"] for u in usage.values()))
+        m["stace/attack_queries"] = MetricValue(value=sum(r.attack_queries for r in outcome.records),
+                                                n=len(outcome.records))
         m["stace/llm_no_reply"] = MetricValue(value=sum(u["no_reply"] for u in usage.values()), n=gateway.asked)
         m["stace/llm_invalid"] = MetricValue(value=sum(u["invalid"] for u in usage.values()), n=gateway.asked)
         self._metrics = m
