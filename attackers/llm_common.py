@@ -41,6 +41,8 @@ from stace.gateway import (
     check_budget,
     check_tolerate,
     failure_error,
+    failure_metrics,
+    failure_note,
     failure_summary,
     null_metrics,
     pop_deadline,
@@ -237,6 +239,7 @@ class LLMBaselineAttacker(Attacker):
         }
         for what in ("retries", "repairs", "failures", "cache_hits", "no_reply", "invalid"):
             m[f"llm/{what}"] = MetricValue(value=sum(u[what] for u in usage.values()), n=calls)
+        m.update(failure_metrics(gateway, "llm/"))
         failed = gateway.failure_counts()["failed"]
         if gateway.deadline_passed or (unrendered and failed):
             what = f"{unrendered} of {n_images} images were never rendered"
@@ -249,6 +252,9 @@ class LLMBaselineAttacker(Attacker):
                            "sir_i and asr are null (attacker.tolerate_llm_failures=true) and the cell is "
                            "not stored as a finished result"]
         self._metrics = m
+        note = failure_note(gateway, self.name)
+        if note:
+            self._notes.append(note)
         if gateway.unpriced:
             self._notes.append(f"{self.name}: no price for {sorted(gateway.unpriced)}; their cost counts as 0")
         trace.write("finished", metrics={k: dataclasses.asdict(v) for k, v in m.items()}, usage=usage)

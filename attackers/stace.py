@@ -37,6 +37,8 @@ from stace.gateway import (
     check_budget,
     check_tolerate,
     failure_error,
+    failure_metrics,
+    failure_note,
     failure_summary,
     null_metrics,
     pop_deadline,
@@ -107,7 +109,7 @@ class STACEAttacker(Attacker):
     """
 
     name = "stace"
-    version = "3"
+    version = "4"
 
     def __init__(self, llm: Mapping[str, Any], iterations: int = 10, k: int = 10, debate_rounds: int = 2,
                  probe_mode: str = "auto", max_code_repairs: int = 2, top_k_cards: int = 3, seed: int = 0,
@@ -233,6 +235,7 @@ class STACEAttacker(Attacker):
                                                 n=len(outcome.records))
         m["stace/llm_no_reply"] = MetricValue(value=sum(u["no_reply"] for u in usage.values()), n=gateway.asked)
         m["stace/llm_invalid"] = MetricValue(value=sum(u["invalid"] for u in usage.values()), n=gateway.asked)
+        m.update(failure_metrics(gateway, "stace/llm_"))
         self._metrics = m
         self._notes = []
         self._complete = True
@@ -251,6 +254,9 @@ class STACEAttacker(Attacker):
         elif outcome.stopped:
             self._notes.append(f"STACE stopped early ({outcome.stopped}) after {len(outcome.records)} of "
                                f"{self.settings.iterations} iterations; its metrics cover those only")
+        note = failure_note(gateway, "STACE")
+        if note:
+            self._notes.append(note)
         if gateway.unpriced:
             self._notes.append(f"STACE: no price for {sorted(gateway.unpriced)}; their cost counts as 0")
         write_report(outcome, out, concept=concept, k=k, metrics=values, usage=usage,
