@@ -59,6 +59,18 @@ RESULT_METRICS = ("asr", "stace/sir_h", "stace/sir_i", "stace/ser", "stace/eii",
                   "stace/cost_per_success_usd", "stace/cost_per_iteration_usd")
 
 
+def _judge_note(judge: Any) -> str:
+    """A few words on what a judge is, for Task Verification."""
+    clf = judge.classifier
+    d = clf.describe() if hasattr(clf, "describe") else {}
+    parts = [f"{type(clf).__name__}"]
+    if d.get("model"):
+        parts.append(f"model {d['model']}")
+    if getattr(clf, "threshold", None) is not None:
+        parts.append(f"threshold {clf.threshold}")
+    return ", ".join(parts)
+
+
 def _flag(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"attacker.{key}={value!r}; valid: true, false")
@@ -106,6 +118,12 @@ class STACEAttacker(Attacker):
             error; either way the cell is not stored as finished.
         name_concept: whether hypotheses and probe plans may name the concept (the paper sets
             no rule; ``false`` asks for prompts that avoid the name).
+        evaluators: judges offered to Task Verification beside the cell's own: classifier
+            config name -> overrides (``vlm_judge``: the paper's Qwen2.5-VL judge for general
+            concepts; ``nudenet`` for explicit content); one that cannot judge the concept is
+            not offered.
+        evaluator: ``agent`` (the TaskSpec's choice decides) or a judge's name (the cell's
+            judge's name, or one of ``evaluators``) to fix it.
     """
 
     name = "stace"
@@ -121,7 +139,8 @@ class STACEAttacker(Attacker):
                  budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
                  prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
                  tool_scale: str | None = None, replay: str | None = None,
-                 tolerate_llm_failures: bool = False, name_concept: bool = True) -> None:
+                 tolerate_llm_failures: bool = False, name_concept: bool = True,
+                 evaluators: Mapping[str, Mapping[str, Any]] | None = None, evaluator: str = "agent") -> None:
         llm_cfg = dict(to_python(llm) or {})
         self.deadline_s = pop_deadline(llm_cfg)
         self.tolerate_llm_failures = check_tolerate(tolerate_llm_failures)
@@ -165,6 +184,14 @@ class STACEAttacker(Attacker):
             if name not in TOOL_ATTACKERS:
                 raise UnknownChoiceError("STACE tool attacker", name, TOOL_ATTACKERS, "attacker.tools")
         self.tool_scale = tool_scale
+        self.evaluators = {str(n): dict(o or {}) for n, o in dict(to_python(evaluators) or {}).items()}
+        from emma import registry
+
+        for name in self.evaluators:
+            registry.check_choice("classifier", name)
+        if not isinstance(evaluator, str) or not evaluator:
+            raise ConfigError(f"attacker.evaluator={evaluator!r}; valid: agent, or a judge's name")
+        self.evaluator = evaluator
         self.output_dir: Path | None = None
         self.cache_dir: Path | None = None
         self.cell_info: dict[str, Any] = {}
@@ -180,7 +207,8 @@ class STACEAttacker(Attacker):
         return {**super().config(), "backend": self.backend.config(), "preset": self.preset,
                 "roles": {r: dataclasses.asdict(s) for r, s in self.roles.items()},
                 "settings": dataclasses.asdict(self.settings), "budget": self.budget, "tools": self.tools,
-                "seed_source": self.seed_source, "replay": self.replay}
+                "seed_source": self.seed_source, "replay": self.replay, "evaluators": self.evaluators,
+                "evaluator": self.evaluator}
 
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         concept = requests[0].concept
@@ -197,8 +225,13 @@ class STACEAttacker(Attacker):
                           seed=self.settings.seed, deadline_s=None if self.replay else self.deadline_s)
         library = Library(cache_dir=cache / "stace" / "index")
         judge = getattr(target, "judge", None)
+        judges = self._judges(target, concept, cache) if not self.replay else {}
         context = {**self.cell_info, "concepts": list(judge.classifier.labels) if judge else [concept],
-                   "evaluators": [judge.classifier.name] if judge else ["domain classifier"]}
+                   "evaluators": list(judges) or ([judge.classifier.name] if judge else ["domain classifier"]),
+                   "evaluator_notes": {n: _judge_note(j) for n, j in judges.items()}}
+        if self.evaluator != "agent" and self.evaluator not in context["evaluators"]:
+            raise ConfigError(f"attacker.evaluator={self.evaluator!r} cannot judge {concept!r} here; valid: agent, "
+                              + ", ".join(context["evaluators"]))
         trace.write("start", concept=concept, settings=dataclasses.asdict(self.settings),
                     roles={r: dataclasses.asdict(s) for r, s in self.roles.items()},
                     backend=self.backend.config())
@@ -210,7 +243,7 @@ class STACEAttacker(Attacker):
             tools = ProbeTools(target, concept, requests[0].prompt, self._tool_factories(),
                                attack_cache=cache if self.cache_dir else None)
             outcome = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images",
-                            tools=tools).run()
+                            tools=tools, judges=judges, evaluator=self.evaluator).run()
         values = outcome.metrics(k, None if self.replay else self.settings.iterations)
         n_success = sum(r.success for r in outcome.records)
         cost = gateway.spent_usd()
@@ -254,6 +287,19 @@ class STACEAttacker(Attacker):
         elif outcome.stopped:
             self._notes.append(f"STACE stopped early ({outcome.stopped}) after {len(outcome.records)} of "
                                f"{self.settings.iterations} iterations; its metrics cover those only")
+        chosen = judges.get(outcome.evaluator)
+        counts = getattr(getattr(chosen, "classifier", None), "verdict_counts", None)
+        if counts is not None:  # a VLM judge: refusals and garbage count as absent, and are counted
+            for what, n in counts().items():
+                m[f"stace/evaluator/{what}"] = MetricValue(value=n, n=sum(counts().values()))
+            lost = counts()["refused"] + counts()["unparsed"]
+            if lost:
+                self._notes.append(f"STACE's evaluator {outcome.evaluator}: {counts()['refused']} refusals and "
+                                   f"{counts()['unparsed']} unparseable verdicts, counted as 'concept absent'")
+        if judge is not None and chosen is not None and chosen is not judge:
+            self._notes.append(f"STACE's images were judged by {outcome.evaluator} (the TaskSpec's evaluator; "
+                               f"offered: {', '.join(context['evaluators'])}), not the cell's judge "
+                               f"{judge.classifier.name}")
         note = failure_note(gateway, "STACE")
         if note:
             self._notes.append(note)
@@ -263,6 +309,29 @@ class STACEAttacker(Attacker):
                      cost_usd=cost, redact=redact)
         trace.write("finished", metrics={k_: dataclasses.asdict(v) for k_, v in m.items()})
         return [self._output(r, concept) for r in outcome.records]
+
+    def _judges(self, target: Any, concept: str, cache: Path) -> dict[str, Any]:
+        """The evaluators offered: the cell's judge first, then each configured one that can
+        judge ``concept`` (built now: a missing key or weights fails before any LLM call)."""
+        own = getattr(target, "judge", None)
+        if own is None:
+            return {}
+        judges = {own.classifier.name: own}
+        if not self.evaluators:
+            return judges
+        if getattr(target, "generator", None) is None:
+            raise ConfigError("attacker.evaluators: this attack target renders with its own judge only")
+        from emma import registry
+        from emma.cache import ClassifierScoreCache
+        from emma.generate import Judge
+
+        for name, overrides in self.evaluators.items():
+            if name in judges:
+                continue
+            clf = registry.build("classifier", name, overrides=overrides)
+            if clf.can_detect(concept):  # an open-vocabulary judge adds the concept as a label here
+                judges[name] = Judge(clf, ClassifierScoreCache(cache, clf))
+        return judges
 
     def _tool_factories(self) -> dict[str, Any]:
         scale = self.tool_scale

@@ -417,4 +417,4 @@ def test_an_inline_tools_declaration_is_listed_and_attacker_queries_are_counted(
     out, _, _ = stace_run
     m = json.loads((out / "results.json").read_text())["metrics"]
     assert m["stace/attack_queries"]["value"] == 0  # no attacker declared: none spent
-    assert json.loads((out / "results.json").read_text())["config"]["attacker"]["tools"] == {}
+    assert json.loads((out / "results.json").read_text())["config"]["attacker"]["tools"] == {}  # none declared

@@ -56,7 +56,8 @@ def test_paper_experiments_set_the_papers_llms_per_role(experiment):
         if target == "attackers.stace.STACEAttacker":
             stace_cells += 1
             a = OmegaConf.to_container(cfg.attacker, resolve=True)
-            assert cfg.llm.per_role_models is True and a["tools"] == {}, cell
+            assert cfg.llm.per_role_models is True and not a["tools"], cell
+            assert set(a["evaluators"]) == {"vlm_judge", "nudenet"} and a["evaluator"] == "agent"
             roles = {r: v["model"] for r, v in a["roles"].items()}
             assert roles == a["presets"][a["preset"]], cell  # written out as Table D1 says
         if target == "attackers.redteam_llm.RedTeamLLMAttacker":
@@ -110,7 +111,8 @@ def test_the_default_stace_declares_no_attacker_tools():
 
     from emma.registry import CONF_DIR
 
-    assert OmegaConf.load(CONF_DIR / "attacker" / "stace.yaml").tools == {}
+    conf = OmegaConf.load(CONF_DIR / "attacker" / "stace.yaml")
+    assert conf.tools is None and conf.evaluators is None and conf.evaluator == "agent"
 
 
 # -- the tools each mode offers ----------------------------------------------------------------
