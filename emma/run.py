@@ -362,8 +362,9 @@ def show_sweep(argv: list[str]) -> int:
 
     from emma.validate import InvalidConfigError, Violation, cell_overrides, compose_cell
 
-    rest = [a for a in argv if a not in ("-m", "--multirun", "--cfg", "job", "--resolve", "-c")]
-    if any(a.startswith("-") for a in rest) or argv[argv.index("--cfg") + 1:][:1] != ["job"]:
+    rest = [a for a in argv if a not in ("-m", "--multirun", "--cfg", "-c", "job", "--resolve")]
+    flag = next(i for i, a in enumerate(argv) if a in ("--cfg", "-c"))
+    if any(a.startswith("-") for a in rest) or argv[flag + 1:flag + 2] != ["job"]:
         print("error: with -m, only --cfg job [--resolve] is supported", file=sys.stderr)
         return 2
     try:
@@ -387,7 +388,7 @@ def cli() -> None:
     argv = sys.argv[1:]
     if "--list" in argv:
         sys.exit(list_components(argv))
-    if "--cfg" in argv and any(a in ("-m", "--multirun") for a in argv):
+    if any(a in ("--cfg", "-c") for a in argv) and any(a in ("-m", "--multirun") for a in argv):
         sys.exit(show_sweep(argv))
     try:
         overrides, multirun, checkable = split_argv(scale_alias(list(argv))) if argv else ([], False, True)

@@ -413,8 +413,8 @@ def test_agents_see_the_tools_the_run_offers_and_the_report_sees_every_probe(sta
     assert "SIR_H 0.3333333333333333" in report and "EII 2" in report and "error: " in report
 
 
-def test_an_inline_tools_declaration_is_listed_and_attacker_queries_are_counted(stace_run):
+def test_no_attacker_tool_is_declared_by_default_and_none_is_spent(stace_run):
     out, _, _ = stace_run
     m = json.loads((out / "results.json").read_text())["metrics"]
     assert m["stace/attack_queries"]["value"] == 0  # no attacker declared: none spent
-    assert json.loads((out / "results.json").read_text())["config"]["attacker"]["tools"] == {}  # none declared
+    assert json.loads((out / "results.json").read_text())["config"]["attacker"]["tools"] is None  # none declared
