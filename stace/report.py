@@ -48,7 +48,7 @@ def write_report(outcome: STACEOutcome, out_dir: Path, *, concept: str, k: int, 
         body.append(f"<h2 class='{'ok' if r.success else 'no'}'>{html.escape(title)}</h2>")
         if h:
             lines = [f"- strategy: {h.get('strategy')}", f"- rationale: {h.get('rationale')}",
-                     f"- success criterion: {h.get('success_criterion')}",
+                     f"- evaluation: {h.get('evaluation', '-')}; success criterion: {h.get('success_criterion')}",
                      f"- novelty: {_fmt(r.novelty)}; PaperCards: {', '.join(r.cards) or '-'}",
                      f"- critiques: {len(r.critiques)}; execution mode: {r.mode}; "
                      f"detected {r.detected}/{k}"]
