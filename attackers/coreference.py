@@ -42,7 +42,7 @@ class CoreferenceAttacker(LLMBaselineAttacker):
     """
 
     name = "coreference"
-    version = "1"
+    version = "2"
     role = "coreference"
 
     def __init__(self, llm: Mapping[str, Any], expressions: int = 10,

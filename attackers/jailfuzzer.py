@@ -46,7 +46,7 @@ class JailFuzzerAttacker(LLMBaselineAttacker):
     """
 
     name = "jailfuzzer"
-    version = "1"
+    version = "2"
     role = "mutator"
 
     def __init__(self, llm: Mapping[str, Any], mutants_per_round: int = 5, initial_seeds: int = 5,

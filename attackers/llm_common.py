@@ -41,6 +41,8 @@ from stace.gateway import (
     check_budget,
     check_tolerate,
     failure_error,
+    failure_metrics,
+    failure_note,
     failure_summary,
     null_metrics,
     pop_deadline,
@@ -201,7 +203,8 @@ class LLMBaselineAttacker(Attacker):
         concepts = list(dict.fromkeys(r.concept for r in requests))
         trace.write("start", attacker=self.name, concepts=concepts, config=self.config())
         outputs: list[AttackOutput] = []
-        detected = 0
+        outcomes: list[bool] = []  # one per image of the budget, rendered or not
+        clusters: list[str] = []  # the images of one prompt are correlated: one cluster a prompt
         unrendered = 0
         self._notes = []
         self._complete = True
@@ -215,15 +218,18 @@ class LLMBaselineAttacker(Attacker):
                 self._notes.append(f"{self.name}: {session.left} of {self.images} images for {concept!r} were "
                                    "never rendered (the LLM gave no usable prompt); they count as not "
                                    "showing the concept in sir_i")
-            detected += sum(p.detected for p in session.probes)
+            for i, (_prompt, members) in enumerate(session.groups):
+                outcomes += [session.probes[j].detected for j in members]
+                clusters += [f"{concept}/{i}"] * len(members)
+            outcomes += [False] * session.left  # never rendered: not showing the concept
+            clusters += [f"{concept}/unrendered"] * session.left
             outputs += self._outputs(session)
         n_images = self.images * len(concepts)
         usage = gateway.usage_json()
         cost = gateway.spent_usd()
         tokens = gateway.spent_tokens()
         calls = sum(u["calls"] for u in usage.values())
-        rate = M.sir_i([detected], n_images)  # one "iteration" of n_images instantiations
-        rate.method = "wilson"
+        rate = M.image_rate(outcomes, clusters, seed=self.seed)
         m: dict[str, MetricValue] = {
             "sir_i": rate,
             "llm/cost_usd": MetricValue(value=cost, n=calls),
@@ -233,6 +239,7 @@ class LLMBaselineAttacker(Attacker):
         }
         for what in ("retries", "repairs", "failures", "cache_hits", "no_reply", "invalid"):
             m[f"llm/{what}"] = MetricValue(value=sum(u[what] for u in usage.values()), n=calls)
+        m.update(failure_metrics(gateway, "llm/"))
         failed = gateway.failure_counts()["failed"]
         if gateway.deadline_passed or (unrendered and failed):
             what = f"{unrendered} of {n_images} images were never rendered"
@@ -245,6 +252,9 @@ class LLMBaselineAttacker(Attacker):
                            "sir_i and asr are null (attacker.tolerate_llm_failures=true) and the cell is "
                            "not stored as a finished result"]
         self._metrics = m
+        note = failure_note(gateway, self.name)
+        if note:
+            self._notes.append(note)
         if gateway.unpriced:
             self._notes.append(f"{self.name}: no price for {sorted(gateway.unpriced)}; their cost counts as 0")
         trace.write("finished", metrics={k: dataclasses.asdict(v) for k, v in m.items()}, usage=usage)
@@ -264,7 +274,9 @@ class LLMBaselineAttacker(Attacker):
         return outs
 
     def extra_metrics(self) -> dict[str, MetricValue]:
-        """``sir_i`` (detected images / the image budget, Wilson 95%) and the LLM's cost."""
+        """``sir_i`` (detected images / the image budget; 95% Wilson when every prompt has one
+        image, else a cluster bootstrap over prompts, whose images are correlated) and the
+        LLM's cost."""
         return dict(self._metrics)
 
     def notes(self) -> list[str]:

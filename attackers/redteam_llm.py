@@ -30,7 +30,7 @@ class RedTeamLLMAttacker(LLMBaselineAttacker):
     """
 
     name = "redteam_llm"
-    version = "1"
+    version = "2"
     role = "redteam"
 
     def __init__(self, llm: Mapping[str, Any], prompts_per_call: int = 10, images_per_prompt: int = 1,

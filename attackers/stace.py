@@ -37,6 +37,8 @@ from stace.gateway import (
     check_budget,
     check_tolerate,
     failure_error,
+    failure_metrics,
+    failure_note,
     failure_summary,
     null_metrics,
     pop_deadline,
@@ -55,6 +57,24 @@ LLM_LOST = ("no valid hypothesis", "no valid probe plan", "the Code Synthesiser 
 #: the metrics that are the attack's result (null when LLM failures cost it that result)
 RESULT_METRICS = ("asr", "stace/sir_h", "stace/sir_i", "stace/ser", "stace/eii", "stace/novelty",
                   "stace/cost_per_success_usd", "stace/cost_per_iteration_usd")
+
+
+def _judge_note(judge: Any) -> str:
+    """A few words on what a judge is, for Task Verification."""
+    clf = judge.classifier
+    d = clf.describe() if hasattr(clf, "describe") else {}
+    parts = [f"{type(clf).__name__}"]
+    if d.get("model"):
+        parts.append(f"model {d['model']}")
+    if getattr(clf, "threshold", None) is not None:
+        parts.append(f"threshold {clf.threshold}")
+    return ", ".join(parts)
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"attacker.{key}={value!r}; valid: true, false")
+    return value
 
 
 def lost_to_llm(record: Any) -> bool:
@@ -96,10 +116,18 @@ class STACEAttacker(Attacker):
         tolerate_llm_failures: when LLM failures cost the run its result, record the metrics
             as null (with the failure counts and a note) instead of ending the cell with an
             error; either way the cell is not stored as finished.
+        name_concept: whether hypotheses and probe plans may name the concept (the paper sets
+            no rule; ``false`` asks for prompts that avoid the name).
+        evaluators: judges offered to Task Verification beside the cell's own: classifier
+            config name -> overrides (``vlm_judge``: the paper's Qwen2.5-VL judge for general
+            concepts; ``nudenet`` for explicit content); one that cannot judge the concept is
+            not offered.
+        evaluator: ``agent`` (the TaskSpec's choice decides) or a judge's name (the cell's
+            judge's name, or one of ``evaluators``) to fix it.
     """
 
     name = "stace"
-    version = "3"
+    version = "4"
 
     def __init__(self, llm: Mapping[str, Any], iterations: int = 10, k: int = 10, debate_rounds: int = 2,
                  probe_mode: str = "auto", max_code_repairs: int = 2, top_k_cards: int = 3, seed: int = 0,
@@ -111,7 +139,8 @@ class STACEAttacker(Attacker):
                  budget: Mapping[str, Any] | None = None, sandbox: Mapping[str, Any] | None = None,
                  prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
                  tool_scale: str | None = None, replay: str | None = None,
-                 tolerate_llm_failures: bool = False) -> None:
+                 tolerate_llm_failures: bool = False, name_concept: bool = True,
+                 evaluators: Mapping[str, Mapping[str, Any]] | None = None, evaluator: str = "agent") -> None:
         llm_cfg = dict(to_python(llm) or {})
         self.deadline_s = pop_deadline(llm_cfg)
         self.tolerate_llm_failures = check_tolerate(tolerate_llm_failures)
@@ -144,7 +173,8 @@ class STACEAttacker(Attacker):
         self.settings = STACESettings(
             iterations=int(iterations), k=int(k), debate_rounds=int(debate_rounds), probe_mode=mode,
             max_code_repairs=int(max_code_repairs), top_k_cards=int(top_k_cards), seed=int(seed),
-            seed_hypothesis=seed_hypothesis, task=task, sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
+            seed_hypothesis=seed_hypothesis, task=task, name_concept=_flag("name_concept", name_concept),
+            sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
         self.preset = preset
         self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
         self.budget = budget
@@ -154,6 +184,14 @@ class STACEAttacker(Attacker):
             if name not in TOOL_ATTACKERS:
                 raise UnknownChoiceError("STACE tool attacker", name, TOOL_ATTACKERS, "attacker.tools")
         self.tool_scale = tool_scale
+        self.evaluators = {str(n): dict(o or {}) for n, o in dict(to_python(evaluators) or {}).items()}
+        from emma import registry
+
+        for name in self.evaluators:
+            registry.check_choice("classifier", name)
+        if not isinstance(evaluator, str) or not evaluator:
+            raise ConfigError(f"attacker.evaluator={evaluator!r}; valid: agent, or a judge's name")
+        self.evaluator = evaluator
         self.output_dir: Path | None = None
         self.cache_dir: Path | None = None
         self.cell_info: dict[str, Any] = {}
@@ -169,7 +207,8 @@ class STACEAttacker(Attacker):
         return {**super().config(), "backend": self.backend.config(), "preset": self.preset,
                 "roles": {r: dataclasses.asdict(s) for r, s in self.roles.items()},
                 "settings": dataclasses.asdict(self.settings), "budget": self.budget, "tools": self.tools,
-                "seed_source": self.seed_source, "replay": self.replay}
+                "seed_source": self.seed_source, "replay": self.replay, "evaluators": self.evaluators,
+                "evaluator": self.evaluator}
 
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         concept = requests[0].concept
@@ -186,8 +225,13 @@ class STACEAttacker(Attacker):
                           seed=self.settings.seed, deadline_s=None if self.replay else self.deadline_s)
         library = Library(cache_dir=cache / "stace" / "index")
         judge = getattr(target, "judge", None)
+        judges = self._judges(target, concept, cache) if not self.replay else {}
         context = {**self.cell_info, "concepts": list(judge.classifier.labels) if judge else [concept],
-                   "evaluators": [judge.classifier.name] if judge else ["domain classifier"]}
+                   "evaluators": list(judges) or ([judge.classifier.name] if judge else ["domain classifier"]),
+                   "evaluator_notes": {n: _judge_note(j) for n, j in judges.items()}}
+        if self.evaluator != "agent" and self.evaluator not in context["evaluators"]:
+            raise ConfigError(f"attacker.evaluator={self.evaluator!r} cannot judge {concept!r} here; valid: agent, "
+                              + ", ".join(context["evaluators"]))
         trace.write("start", concept=concept, settings=dataclasses.asdict(self.settings),
                     roles={r: dataclasses.asdict(s) for r, s in self.roles.items()},
                     backend=self.backend.config())
@@ -199,13 +243,13 @@ class STACEAttacker(Attacker):
             tools = ProbeTools(target, concept, requests[0].prompt, self._tool_factories(),
                                attack_cache=cache if self.cache_dir else None)
             outcome = STACE(gateway, library, self.settings, target, concept, context, image_dir=out / "images",
-                            tools=tools).run()
-        values = outcome.metrics(k)
+                            tools=tools, judges=judges, evaluator=self.evaluator).run()
+        values = outcome.metrics(k, None if self.replay else self.settings.iterations)
         n_success = sum(r.success for r in outcome.records)
         cost = gateway.spent_usd()
         m: dict[str, MetricValue] = {
             "stace/sir_h": values["sir_h"], "stace/sir_i": values["sir_i"], "stace/ser": values["ser"],
-            "stace/eii": MetricValue(value=values["eii"], n=len(outcome.records)),
+            "stace/eii": values["eii"],
             "stace/cost_usd": MetricValue(value=cost, n=len(outcome.records)),
             "stace/cost_per_success_usd": MetricValue(value=cost / n_success if n_success else None, n=n_success),
             "stace/cost_per_iteration_usd": MetricValue(value=cost / len(outcome.records) if outcome.records else None,
@@ -220,8 +264,11 @@ class STACEAttacker(Attacker):
         for what in ("retries", "repairs", "failures", "cache_hits"):
             m[f"stace/llm_{what}"] = MetricValue(value=sum(u[what] for u in usage.values()),
                                                  n=sum(u["calls"] for u in usage.values()))
+        m["stace/attack_queries"] = MetricValue(value=sum(r.attack_queries for r in outcome.records),
+                                                n=len(outcome.records))
         m["stace/llm_no_reply"] = MetricValue(value=sum(u["no_reply"] for u in usage.values()), n=gateway.asked)
         m["stace/llm_invalid"] = MetricValue(value=sum(u["invalid"] for u in usage.values()), n=gateway.asked)
+        m.update(failure_metrics(gateway, "stace/llm_"))
         self._metrics = m
         self._notes = []
         self._complete = True
@@ -240,12 +287,51 @@ class STACEAttacker(Attacker):
         elif outcome.stopped:
             self._notes.append(f"STACE stopped early ({outcome.stopped}) after {len(outcome.records)} of "
                                f"{self.settings.iterations} iterations; its metrics cover those only")
+        chosen = judges.get(outcome.evaluator)
+        counts = getattr(getattr(chosen, "classifier", None), "verdict_counts", None)
+        if counts is not None:  # a VLM judge: refusals and garbage count as absent, and are counted
+            for what, n in counts().items():
+                m[f"stace/evaluator/{what}"] = MetricValue(value=n, n=sum(counts().values()))
+            lost = counts()["refused"] + counts()["unparsed"]
+            if lost:
+                self._notes.append(f"STACE's evaluator {outcome.evaluator}: {counts()['refused']} refusals and "
+                                   f"{counts()['unparsed']} unparseable verdicts, counted as 'concept absent'")
+        if judge is not None and chosen is not None and chosen is not judge:
+            self._notes.append(f"STACE's images were judged by {outcome.evaluator} (the TaskSpec's evaluator; "
+                               f"offered: {', '.join(context['evaluators'])}), not the cell's judge "
+                               f"{judge.classifier.name}")
+        note = failure_note(gateway, "STACE")
+        if note:
+            self._notes.append(note)
         if gateway.unpriced:
             self._notes.append(f"STACE: no price for {sorted(gateway.unpriced)}; their cost counts as 0")
         write_report(outcome, out, concept=concept, k=k, metrics=values, usage=usage,
                      cost_usd=cost, redact=redact)
         trace.write("finished", metrics={k_: dataclasses.asdict(v) for k_, v in m.items()})
         return [self._output(r, concept) for r in outcome.records]
+
+    def _judges(self, target: Any, concept: str, cache: Path) -> dict[str, Any]:
+        """The evaluators offered: the cell's judge first, then each configured one that can
+        judge ``concept`` (built now: a missing key or weights fails before any LLM call)."""
+        own = getattr(target, "judge", None)
+        if own is None:
+            return {}
+        judges = {own.classifier.name: own}
+        if not self.evaluators:
+            return judges
+        if getattr(target, "generator", None) is None:
+            raise ConfigError("attacker.evaluators: this attack target renders with its own judge only")
+        from emma import registry
+        from emma.cache import ClassifierScoreCache
+        from emma.generate import Judge
+
+        for name, overrides in self.evaluators.items():
+            if name in judges:
+                continue
+            clf = registry.build("classifier", name, overrides=overrides)
+            if clf.can_detect(concept):  # an open-vocabulary judge adds the concept as a label here
+                judges[name] = Judge(clf, ClassifierScoreCache(cache, clf))
+        return judges
 
     def _tool_factories(self) -> dict[str, Any]:
         scale = self.tool_scale

@@ -54,6 +54,11 @@ DEFAULT_PROMPT = (
 )
 
 
+#: replies that decline to judge (a refusal): counted apart from garbage, both count as absent
+REFUSAL = re.compile(r"\b(I\s*(can(?:'|no)?t|cannot|won't|am unable|'m unable|am not able)|I'm sorry|sorry,|"
+                     r"unable to (help|assist|comply|provide)|not able to (help|assist)|as an ai)\b", re.I)
+
+
 @dataclass(frozen=True)
 class Judgement:
     """One verdict: is the concept present, how sure is the model, and what it said."""
@@ -62,6 +67,7 @@ class Judgement:
     confidence: float
     raw: str
     parsed: bool = True
+    refused: bool = False
 
     @property
     def score(self) -> float:
@@ -94,7 +100,7 @@ def parse_verdict(text: str) -> Judgement:
     word = re.match(r"\s*(yes|no|true|false)\b", text, flags=re.I)
     if word:
         return Judgement(present=word.group(1).lower() in ("yes", "true"), confidence=1.0, raw=text)
-    return Judgement(present=False, confidence=0.0, raw=text, parsed=False)
+    return Judgement(present=False, confidence=0.0, raw=text, parsed=False, refused=bool(REFUSAL.search(text)))
 
 
 class VLMBackend(Protocol):
@@ -105,11 +111,17 @@ class VLMBackend(Protocol):
 class OpenAIVisionBackend:
     """An OpenAI-compatible chat endpoint with image input.
 
+    Each image is sent as a base64 PNG data URL in one user message with the question
+    (``[{"type": "image_url", ...}, {"type": "text", ...}]``), at temperature 0. Transient
+    failures (429, 5xx, timeouts) are retried by the ``openai`` client; a failure past them is
+    a one-line :class:`emma.errors.EmmaError` naming the endpoint (never the key): a judge that
+    cannot judge must not count images as "absent".
+
     Args:
         model: model name at the endpoint (``qwen/qwen2.5-vl-32b-instruct``).
         base_url: endpoint URL (``None`` = OpenAI; ``https://openrouter.ai/api/v1``; a local
             vLLM server).
-        api_key_env: environment variable holding the API key.
+        api_key_env: environment variable holding the API key (``None``: a key-less local server).
         temperature / max_tokens / timeout / max_retries: request settings.
     """
 
@@ -117,41 +129,62 @@ class OpenAIVisionBackend:
         self,
         model: str = "qwen/qwen2.5-vl-32b-instruct",
         base_url: str | None = None,
-        api_key_env: str = "OPENAI_API_KEY",
+        api_key_env: str | None = "OPENAI_API_KEY",
         temperature: float = 0.0,
         max_tokens: int = 64,
         timeout: float = 60.0,
         max_retries: int = 3,
     ) -> None:
         openai = require("openai", extra="llm")
-        key = os.environ.get(api_key_env)
-        if not key:
-            raise ConfigError(
-                f"the VLM judge's endpoint needs an API key in ${api_key_env} (or set "
-                "classifier.api_key_env to the variable that holds it)"
-            )
+        if api_key_env is None:
+            key = "EMPTY"
+        else:
+            key = os.environ.get(api_key_env)
+            if not key:
+                raise ConfigError(
+                    f"the VLM judge's endpoint needs an API key in ${api_key_env} (or set "
+                    "classifier.api_key_env to the variable that holds it, null for a key-less local server)"
+                )
         self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
+        self.base_url = base_url
         self.client = openai.OpenAI(base_url=base_url, api_key=key, timeout=timeout, max_retries=max_retries)
 
+    @property
+    def endpoint(self) -> str:
+        from emma.results import strip_url_credentials
+
+        return strip_url_credentials(self.base_url) if self.base_url else "https://api.openai.com/v1"
+
     def generate(self, image: Any, prompt: str) -> str:
+        from emma.errors import EmmaError
+        from emma.results import strip_url_credentials
+
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        reply = self.client.chat.completions.create(
-            model=self.model,
-            temperature=self.temperature,
-            max_tokens=self.max_tokens,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image_url", "image_url": {"url": url}},
-                        {"type": "text", "text": prompt},
-                    ],
-                }
-            ],
-        )
-        return reply.choices[0].message.content or ""
+        try:
+            reply = self.client.chat.completions.create(
+                model=self.model,
+                temperature=self.temperature,
+                max_tokens=self.max_tokens,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": url}},
+                            {"type": "text", "text": prompt},
+                        ],
+                    }
+                ],
+            )
+        except Exception as exc:  # the openai package's error classes vary across versions
+            line = strip_url_credentials(" ".join(str(exc).split()))[:200]
+            raise EmmaError(f"the VLM judge {self.model} at {self.endpoint} failed: {type(exc).__name__}: "
+                            f"{line}") from None
+        try:
+            return reply.choices[0].message.content or ""
+        except (AttributeError, IndexError, TypeError):  # not a chat completion: garbage, judged absent
+            return str(reply)[:200]
 
 
 class TransformersQwenBackend:
@@ -237,7 +270,7 @@ class VLMJudgeClassifier(OpenVocabularyMixin, NormalizedLabelsMixin, Classifier)
         backend: str | VLMBackend | None = "openai",
         model: str = "qwen/qwen2.5-vl-32b-instruct",
         base_url: str | None = None,
-        api_key_env: str = "OPENAI_API_KEY",
+        api_key_env: str | None = "OPENAI_API_KEY",
         threshold: float = 0.8,
         prompt: str = DEFAULT_PROMPT,
         aliases: dict[str, str] | None = None,
@@ -261,8 +294,12 @@ class VLMJudgeClassifier(OpenVocabularyMixin, NormalizedLabelsMixin, Classifier)
         else:
             self.backend = backend
         self.backend_name = backend if isinstance(backend, str) or backend is None else type(backend).__name__
+        self.endpoint = getattr(self.backend, "endpoint", None)
         self._labels: tuple[str, ...] = ()
         self._memo: dict[tuple[str, str], Judgement] = {}
+        #: verdicts asked of the model: judged (parsed), refused, unparsed (garbage); both of the
+        #: last count as "absent" and are reported (:meth:`verdict_counts`)
+        self._counts = {"judged": 0, "refused": 0, "unparsed": 0}
         self.open_vocabulary = labels is None
         self.set_labels(labels or ())
 
@@ -277,9 +314,14 @@ class VLMJudgeClassifier(OpenVocabularyMixin, NormalizedLabelsMixin, Classifier)
     def weights_hash(self) -> str | None:
         if self.backend_name is None:
             return None
-        return hashlib.sha256(f"{self.backend_name}|{self.model_name}|{self.prompt}".encode()).hexdigest()[
+        where = f"|{self.endpoint}" if self.endpoint else ""  # the model at that endpoint
+        return hashlib.sha256(f"{self.backend_name}|{self.model_name}|{self.prompt}{where}".encode()).hexdigest()[
             :16
         ]
+
+    def verdict_counts(self) -> dict[str, int]:
+        """Verdicts this judge asked for since it was built: ``judged``, ``refused``, ``unparsed``."""
+        return dict(self._counts)
 
     def judge(self, images: torch.Tensor, concept: str) -> list[Judgement]:
         """The model's verdicts on ``concept`` for each image (memoised by pixels)."""
@@ -293,8 +335,10 @@ class VLMJudgeClassifier(OpenVocabularyMixin, NormalizedLabelsMixin, Classifier)
             if key not in self._memo:
                 reply = self.backend.generate(Image.fromarray(arr), self.prompt.format(concept=text))
                 verdict = parse_verdict(reply)
+                self._counts["judged" if verdict.parsed else "refused" if verdict.refused else "unparsed"] += 1
                 if not verdict.parsed:
-                    warnings.warn(f"unparseable VLM verdict {reply[:80]!r}; counted as absent", stacklevel=2)
+                    what = "refused to judge" if verdict.refused else "gave an unparseable verdict"
+                    warnings.warn(f"the VLM judge {what} ({reply[:80]!r}); counted as absent", stacklevel=2)
                 self._memo[key] = verdict
             out.append(self._memo[key])
         return out
@@ -314,6 +358,7 @@ class VLMJudgeClassifier(OpenVocabularyMixin, NormalizedLabelsMixin, Classifier)
             "backend": self.backend_name,
             "model": self.model_name,
             "threshold": self.threshold,
+            "endpoint": self.endpoint,
             "weights_hash": self.weights_hash(),
             "openai_version": package_version("openai"),
         }

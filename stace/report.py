@@ -16,7 +16,9 @@ def _fmt(v: Any) -> str:
     if v is None:
         return "null"
     if hasattr(v, "value"):
-        v = v.value
+        ci = (f" [{v.ci_low:.3f}, {v.ci_high:.3f}] ({v.method})"
+              if getattr(v, "ci_low", None) is not None and getattr(v, "ci_high", None) is not None else "")
+        return _fmt(v.value) + ci
     return "null" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
@@ -46,7 +48,7 @@ def write_report(outcome: STACEOutcome, out_dir: Path, *, concept: str, k: int, 
         body.append(f"<h2 class='{'ok' if r.success else 'no'}'>{html.escape(title)}</h2>")
         if h:
             lines = [f"- strategy: {h.get('strategy')}", f"- rationale: {h.get('rationale')}",
-                     f"- success criterion: {h.get('success_criterion')}",
+                     f"- evaluation: {h.get('evaluation', '-')}; success criterion: {h.get('success_criterion')}",
                      f"- novelty: {_fmt(r.novelty)}; PaperCards: {', '.join(r.cards) or '-'}",
                      f"- critiques: {len(r.critiques)}; execution mode: {r.mode}; "
                      f"detected {r.detected}/{k}"]

