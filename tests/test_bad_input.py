@@ -93,8 +93,8 @@ CELL_CASES = [
     ("ipp-float", ["images_per_prompt=2.5"], ["images_per_prompt=2.5"], 1),
     ("seed-negative", ["seed=-1"], ["seed=-1", "[0, 2,147,483,647]"], 1),
     ("seed-huge", ["seed=4294967296"], ["seed=4294967296", "[0, 2,147,483,647]"], 1),
-    # torch's CPU generator keeps a seed's low 32 bits: seed+i of this cell's images would
-    # wrap around to the images of seeds 0, 1, ...
+    # torch's CPU generator keeps a seed's low 32 bits: erasure's generators, seeded with the cell
+    # seed (plus offsets), would wrap around to those of seeds 0, 1, ...
     ("seed-derived-wraps", ["seed=4294967290"], ["seed=4294967290", "[0, 2,147,483,647]", "low 32 bits",
                                                  "below 2**32"], 1),
     ("attacker-seed-float", ["attacker=p4d_n", "attacker.seed=2.5"], ["attacker.seed=2.5",
