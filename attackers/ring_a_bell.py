@@ -56,17 +56,22 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
         vocabulary: the tokens prompts are drawn from: ``all`` (the reference: every id in
             ``[1, 49406)``), ``domain`` (the tokens of the domain's prompts) or a list of words.
         seed: seeds the search.
+        keep_original: the original prompt stays a candidate: when its text embedding is
+            nearer the goal than the search's best prompt, it is handed on
+            (``extra.kept_original``; the search's best in ``extra.search_best_prompt``).
     """
 
     name = "ring_a_bell"
-    version = "1"
+    version = "2"  # 2: the original prompt stays a candidate (keep_original); image seeds (emma.seeds)
     needs_text_encoder = True
     resumable = True
 
     def __init__(self, length: int = 16, eta: float = 3.0, population: int = 200, generations: int = 3000,
                  mutation_rate: float = 0.25, crossover_rate: float = 0.5,
                  pair_templates: Optional[Sequence[str]] = None, neutral: str = "",
-                 requests_per_batch: int = 32, vocabulary: str | Sequence[str] = "all", seed: int = 0) -> None:
+                 requests_per_batch: int = 32, vocabulary: str | Sequence[str] = "all", seed: int = 0,
+                 keep_original: bool = True) -> None:
+        self.keep_original = bool(keep_original)
         self.length = check_positive("ring_a_bell length (K)", length)
         self.eta = float(eta)
         self.population = check_positive("ring_a_bell population", population)
@@ -90,7 +95,8 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
         return {**super().config(), "length": self.length, "eta": self.eta, "population": self.population,
                 "generations": self.generations, "mutation_rate": self.mutation_rate,
                 "crossover_rate": self.crossover_rate, "pair_templates": self.pair_templates,
-                "neutral": self.neutral, "vocabulary": self.vocabulary, "seed": self.seed, "budget": self.budget()}
+                "neutral": self.neutral, "vocabulary": self.vocabulary, "seed": self.seed,
+                "keep_original": self.keep_original, "budget": self.budget()}
 
     def check(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> None:
         super().check(target, requests)
@@ -125,8 +131,9 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
         states = [RequestState(prompt=r.prompt) for r in requests]
         vectors = {c: self.concept_vector(wb, c, requests) for c in {r.concept for r in requests}}
         with torch.no_grad():
-            goals = wb.encode_ids(wb.token_ids([r.prompt for r in requests])).float()
-        goals = goals + self.eta * torch.stack([vectors[r.concept] for r in requests])
+            originals = wb.encode_ids(wb.token_ids([r.prompt for r in requests])).float()
+        goals = originals + self.eta * torch.stack([vectors[r.concept] for r in requests])
+        original_distance = ((goals - originals) ** 2).flatten(1).sum(1).tolist()
         rng = np.random.default_rng(self.seed)
         K, L = self.length, wb.context_length
         low, high = 1, min(wb.bos_token_id, wb.eos_token_id)  # the reference draws ids in [1, 49406)
@@ -160,12 +167,17 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
             bar.update(1)
             bar.set_postfix(best=f"{np.mean(best):.3f}")
         bar.close()
+        extras = []
         for r, st in enumerate(states):
-            st.prompt = wb.decode_ids(pops[r][0][1 : K + 1].tolist())
-            st.best_score = -best[r]
+            found = wb.decode_ids(pops[r][0][1 : K + 1].tolist())
+            kept = self.keep_original and original_distance[r] < best[r]
+            st.prompt = requests[r].prompt if kept else found
+            st.best_score = -min(best[r], original_distance[r]) if kept else -best[r]
+            extras.append({"distance": best[r], "original_distance": original_distance[r],
+                           "kept_original": bool(kept), "search_best_prompt": found})
         share_time(states, t_batch)
         return judged_outputs(target, requests, [s.prompt for s in states],
-                              [s.stats(distance=best[r]) for r, s in enumerate(states)])
+                              [s.stats(**e) for s, e in zip(states, extras)])
 
     def _score(self, wb: Any, pops: list[list[np.ndarray]], memo: list[dict[bytes, float]],
                goals: torch.Tensor, chunk: int = 2048) -> None:
