@@ -537,13 +537,13 @@ def attack_records(outputs: Sequence[AttackOutput], attacker: Attacker) -> list[
             for i, o in enumerate(outputs) for s in o.samples]
 
 
-def attack_seed_record(run: AttackRun, attacker: Attacker, protocol: Any) -> dict[str, Any]:
-    """One ``samples.jsonl`` line (``group: attack_seeds``): every seed the search drew in this
-    run, every seed of the final images, and the protocol, so that anyone can check that the
-    final ASR was read on images the search never saw."""
-    return {"group": "attack_seeds", "attack": attacker.name, "uses_judge": bool(attacker.uses_judge),
-            "probing": bool(attacker.probing),
-            "protocol": protocol.name if protocol is not None else None,
-            "search_seeds_mode": protocol.search_seeds if protocol is not None else "disjoint",
-            "search": list(run.search_seeds), "evaluation": list(run.evaluation_seeds),
-            "search_cached": sorted({int(x) for o in run.outputs if o.cached for x in o.extra.get("search_seeds", [])})}
+def attack_seed_record(run: AttackRun, attacker: Attacker) -> dict[str, Any]:
+    """results.json's record of the attack's seeds (``protocol.seeds``): every seed the search
+    drew in this run, those its cached outputs' searches drew, and how many final images share
+    a seed with either (0 unless the protocol shares seeds, or the attacker is probing: its
+    probes are its result), so anyone can check that the final ASR was read on images the
+    search never saw. samples.jsonl's attack lines carry each request's ``search_seeds``."""
+    cached = sorted({int(x) for o in run.outputs if o.cached for x in o.extra.get("search_seeds", [])})
+    search = set(run.search_seeds) | set(cached)
+    return {"probing": bool(attacker.probing), "search_drawn": list(run.search_seeds), "search_cached": cached,
+            "evaluation_images_at_search_seeds": sum(1 for o in run.outputs for s in o.samples if s.seed in search)}

@@ -37,21 +37,23 @@ def _cell(tmp_path, name: str, *overrides: str) -> tuple[dict[str, Any], list[di
     return res, lines
 
 
-def _seed_sets(lines: list[dict[str, Any]]) -> tuple[set[int], set[int], dict[str, Any]]:
-    (record,) = [x for x in lines if x["group"] == "attack_seeds"]
+def _seed_sets(res: dict[str, Any], lines: list[dict[str, Any]]) -> tuple[set[int], set[int]]:
+    """(every seed the search drew, every seed of the final images): from results.json's
+    record of the run and from samples.jsonl's attack lines (each request's search seeds)."""
     attacked = [x for x in lines if x["group"] == "attack"]
-    evaluation = {x["seed"] for x in attacked}
-    assert set(record["evaluation"]) == evaluation
-    return set(record["search"]), evaluation, record
+    per_request = {s for x in attacked for s in x["search_seeds"]}
+    drawn = set(res["protocol"]["seeds"]["search_drawn"])
+    assert per_request <= drawn  # what each request reports is what the target saw drawn
+    return drawn, {x["seed"] for x in attacked}
 
 
 @tiny
 def test_no_evaluation_seed_is_drawn_by_the_search_under_either_protocol(tmp_path):
     for protocol, images in (("emma", 3), ("reference", 1)):  # UnlearnDiffAtk's reference judges 1 image
         res, lines = _cell(tmp_path, protocol, f"protocol={protocol}")
-        search, evaluation, record = _seed_sets(lines)
-        assert record["protocol"] == protocol and record["search_seeds_mode"] == "disjoint"
+        search, evaluation = _seed_sets(res, lines)
         assert search and evaluation and not search & evaluation, protocol
+        assert res["protocol"]["seeds"]["evaluation_images_at_search_seeds"] == 0
         assert all(stream_of(s) == SEARCH for s in search)
         attacked = [x for x in lines if x["group"] == "attack"]
         assert len(attacked) == 5 * images  # 5 attacked prompts (name + 4 variants)
@@ -72,9 +74,10 @@ def test_no_evaluation_seed_is_drawn_by_the_search_under_either_protocol(tmp_pat
         assert judged == sum({x["attack_index"]: x["judged_queries"] for x in attacked}.values()) / 5
 
     # the same check fails where the search does draw the evaluation seeds (search_seeds=shared)
-    _, lines = _cell(tmp_path, "shared", "protocol=emma", "protocol.search_seeds=shared")
-    search, evaluation, record = _seed_sets(lines)
-    assert record["search_seeds_mode"] == "shared" and search & evaluation
+    res, lines = _cell(tmp_path, "shared", "protocol=emma", "protocol.search_seeds=shared")
+    search, evaluation = _seed_sets(res, lines)
+    assert res["protocol"]["search_seeds"] == "shared" and search & evaluation
+    assert res["protocol"]["seeds"]["evaluation_images_at_search_seeds"] > 0
 
 
 def test_protocols_resolve_per_attacker_and_refuse_bad_values():

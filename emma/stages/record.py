@@ -182,6 +182,8 @@ def protocol_record(ctx: CellContext) -> dict[str, Any]:
         out["attack_sampler"] = {
             "num_inference_steps": int(ctx.protocol.sampler.get("num_inference_steps", gen.num_inference_steps)),
             "guidance_scale": float(ctx.protocol.sampler.get("guidance_scale", gen.guidance_scale))}
+    if ctx.attack_run is not None:
+        out["seeds"] = attack_seed_record(ctx.attack_run, ctx.attacker)
     return out
 
 
@@ -199,8 +201,6 @@ def record(ctx: CellContext) -> None:
     )
     lines = [json.dumps(s.to_json()) for s in ctx.samples]
     lines += [json.dumps(r) for r in attack_records(outputs, ctx.attacker)]
-    if ctx.attack_run is not None:
-        lines.append(json.dumps(attack_seed_record(ctx.attack_run, ctx.attacker, ctx.protocol)))
     lines += [json.dumps(line) for line in ctx.extra_lines]
     atomic_write_text(out / "samples.jsonl", "\n".join(lines) + "\n")
     attacked = [dataclasses.replace(s, group="attack") for o in outputs for s in o.samples]
