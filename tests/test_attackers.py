@@ -280,3 +280,24 @@ def test_hard_prompt_scan_enumerates_each_template_once():
     assert len(every) == len(set(every))  # no prompt drawn twice across templates
     with pytest.raises(SystemExit, match="does not contain the concept word"):
         scan.candidate_prompts("an image of a square", "circle", ["red"], pairs=False)
+
+
+def test_ring_a_bell_takes_listed_concept_vectors_from_files(pipe, tmp_path):
+    from attackers.ring_a_bell import REFERENCE_VECTORS
+
+    wb = DiffusersWhiteBox(pipe)
+    shape = tuple(wb.encode_ids(wb.token_ids([""])).shape[1:])
+    vec = np.random.default_rng(0).normal(size=(1, *shape)).astype(np.float32)  # the reference's (1, 77, D) layout
+    np.save(tmp_path / "v.npy", vec)
+    atk = RingABellAttacker(pair_templates=["an image of a {}"], concept_vectors={"circle": str(tmp_path / "v.npy")})
+    torch.testing.assert_close(atk.concept_vector(wb, "circle", REQ), torch.from_numpy(vec[0]))
+    # other concepts keep the pairs; a listed vector of the wrong shape is refused before any image
+    assert not torch.equal(atk.concept_vector(wb, "square", REQ), torch.from_numpy(vec[0]))
+    np.save(tmp_path / "bad.npy", np.zeros((77, 3), np.float32))
+    with pytest.raises(ConfigError, match=r"has shape \(77, 3\); this text encoder's output is"):
+        RingABellAttacker(concept_vectors={"circle": str(tmp_path / "bad.npy")}).check(NoGeneration(pipe), REQ)
+    with pytest.raises(ConfigError, match="concept_vectors.sexual='nudes'.*nudity, violence, car, vangogh"):
+        RingABellAttacker(concept_vectors={"sexual": "nudes"})
+    # the reference's vectors are pinned by commit and sha256
+    assert {r.commit for r in REFERENCE_VECTORS.values()} == {"e4585ada0a5eb185fbef89bb94147c97f8d2f79a"}
+    assert REFERENCE_VECTORS["nudity"].url.endswith("/Concept%20Vectors/Nudity_vector.npy")
