@@ -83,10 +83,12 @@ class RequestState:
     queries: int = 0
     best_score: float = -1.0
     time_s: float = 0.0
+    judged: int = 0  # images the search had judged (checks, reference / target images)
 
     def stats(self, **extra: Any) -> dict[str, Any]:
         return {"queries": self.queries, "iterations": self.iterations, "time_s": self.time_s,
-                "check_success": self.success_check, "best_check_score": self.best_score, **extra}
+                "judged_queries": self.judged, "check_success": self.success_check,
+                "best_check_score": self.best_score, **extra}
 
 
 def share_time(states: Sequence[RequestState], t0: float) -> None:

@@ -140,6 +140,10 @@ class LLMBaselineAttacker(Attacker):
     """
 
     role: str = "baseline"
+    # its probes are judged as it goes (their images are the result: sir_i over the budget), and
+    # JailFuzzer steers its mutations by their scores
+    uses_judge = True
+    probing = True
 
     def __init__(self, llm: Mapping[str, Any], images: int = 100, seed: int = 0, model: str | None = None,
                  temperature: float = 0.7, max_tokens: int | None = None,

@@ -11,6 +11,15 @@ children), then a random token replaced in each individual with probability
 ``mutation_rate``. The best prompt of the last generation is the attack. Model-agnostic: only
 the tokenizer and text encoder are used, the erased model is queried once per final image.
 
+Concept vectors: for a concept listed in ``concept_vectors``, the reference's own vector
+(``Concept Vectors/<Name>_vector.npy`` at a pinned commit, checked by sha256:
+:data:`REFERENCE_VECTORS`; the nudity vector averages the differences of 50 nudity / no-nudity
+prompt pairs with the pairs NudeNet rejected dropped, the violence vector 30 violent / safe
+sentence pairs, ``Get_Concept_Vector.ipynb``) or a local ``.npy`` of the text encoder's output
+shape; for any other concept, the documented fallback: pairs of ``pair_templates`` filled with
+the concept and with ``neutral``, plus the attacked prompts that name the concept paired with
+themselves without the name.
+
 Populations of a batch of requests are scored in one text-encoder call per generation, and
 an individual's fitness is computed once (unchanged parents keep theirs).
 """
@@ -19,7 +28,8 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Callable, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +46,22 @@ from attackers.common import (
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest
 from emma.attack import judged_outputs
+from emma.datasets.download import RemoteFile
 from emma.errors import ConfigError
+
+RING_A_BELL_REPO = "chiayi-hsu/Ring-A-Bell"
+RING_A_BELL_COMMIT = "e4585ada0a5eb185fbef89bb94147c97f8d2f79a"
+#: The reference's concept vectors (SD v1.x text encoder, 77 x 768), pinned by commit and sha256.
+REFERENCE_VECTORS: dict[str, RemoteFile] = {
+    name: RemoteFile(RING_A_BELL_REPO, RING_A_BELL_COMMIT, f"Concept%20Vectors/{file}", sha,
+                     f"Ring-A-Bell concept vector '{name}' ({file})")
+    for name, file, sha in (
+        ("nudity", "Nudity_vector.npy", "5e1c6a6612a515c08d46ed8668469bf20e5e34b636f32f8774a9ccef1160dd27"),
+        ("violence", "Violence_vector.npy", "a97bac99bb75f58b353fa9dbb6673bae7e1e25ad04c2b3125291520be15f26df"),
+        ("car", "Car_vector.npy", "130c3c16eb2d85ee559d917c1849a5c462419ecc993e0d2de009de8c5a4e7c6f"),
+        ("vangogh", "VanGogh_vector.npy", "2d08f1c3ca5df914d9f4da2907fb74ea2066f94dd00b58bd1c8a9fb81c0196d7"),
+    )
+}
 
 
 class RingABellAttacker(VocabularyCacheInputs, Attacker):
@@ -56,17 +81,30 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
         vocabulary: the tokens prompts are drawn from: ``all`` (the reference: every id in
             ``[1, 49406)``), ``domain`` (the tokens of the domain's prompts) or a list of words.
         seed: seeds the search.
+        concept_vectors: concept -> a reference vector's name (:data:`REFERENCE_VECTORS`) or a
+            local ``.npy`` path; other concepts' vectors come from prompt pairs.
+        keep_original: the original prompt stays a candidate: when its text embedding is
+            nearer the goal than the search's best prompt, it is handed on
+            (``extra.kept_original``; the search's best in ``extra.search_best_prompt``).
     """
 
     name = "ring_a_bell"
-    version = "1"
+    version = "2"  # 2: the original prompt stays a candidate (keep_original); image seeds (emma.seeds)
     needs_text_encoder = True
     resumable = True
 
     def __init__(self, length: int = 16, eta: float = 3.0, population: int = 200, generations: int = 3000,
                  mutation_rate: float = 0.25, crossover_rate: float = 0.5,
                  pair_templates: Optional[Sequence[str]] = None, neutral: str = "",
-                 requests_per_batch: int = 32, vocabulary: str | Sequence[str] = "all", seed: int = 0) -> None:
+                 requests_per_batch: int = 32, vocabulary: str | Sequence[str] = "all", seed: int = 0,
+                 concept_vectors: Optional[Mapping[str, str]] = None, keep_original: bool = True) -> None:
+        self.keep_original = bool(keep_original)
+        self.concept_vectors = {str(c): str(v) for c, v in dict(concept_vectors or {}).items()}
+        for c, v in self.concept_vectors.items():
+            if v not in REFERENCE_VECTORS and not v.endswith(".npy"):
+                raise ConfigError(f"ring_a_bell concept_vectors.{c}={v!r}: give one of the reference's vectors "
+                                  f"({', '.join(REFERENCE_VECTORS)}) or a path to a .npy file")
+        self._vectors: dict[str, torch.Tensor] = {}
         self.length = check_positive("ring_a_bell length (K)", length)
         self.eta = float(eta)
         self.population = check_positive("ring_a_bell population", population)
@@ -90,7 +128,41 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
         return {**super().config(), "length": self.length, "eta": self.eta, "population": self.population,
                 "generations": self.generations, "mutation_rate": self.mutation_rate,
                 "crossover_rate": self.crossover_rate, "pair_templates": self.pair_templates,
-                "neutral": self.neutral, "vocabulary": self.vocabulary, "seed": self.seed, "budget": self.budget()}
+                "neutral": self.neutral, "vocabulary": self.vocabulary, "seed": self.seed,
+                "concept_vectors": self.concept_vectors, "keep_original": self.keep_original,
+                "budget": self.budget()}
+
+    def cache_inputs(self, target: Any) -> dict[str, Any]:
+        out = super().cache_inputs(target)
+        local = {c: v for c, v in self.concept_vectors.items() if v not in REFERENCE_VECTORS}
+        if local:  # a local vector file's bytes key the attack cache
+            from emma.files import sha256_file
+
+            out["concept_vector_files"] = {c: sha256_file(Path(v).expanduser()) for c, v in local.items()}
+        return out
+
+    def loaded_vector(self, wb: Any, concept: str) -> torch.Tensor:
+        """The pinned or local vector of ``concept``, checked against the text encoder's shape."""
+        if concept not in self._vectors:
+            source = self.concept_vectors[concept]
+            if source in REFERENCE_VECTORS:
+                from emma.datasets.download import fetch
+
+                path = fetch(REFERENCE_VECTORS[source])
+            else:
+                path = Path(source).expanduser()
+                if not path.is_file():
+                    raise ConfigError(f"ring_a_bell concept_vectors.{concept}: no file at {path}")
+            vec = torch.from_numpy(np.load(path)).float()
+            vec = vec.reshape(vec.shape[-2:]) if vec.dim() == 3 and vec.shape[0] == 1 else vec
+            with torch.no_grad():
+                shape = tuple(wb.encode_ids(wb.token_ids([""])).shape[1:])
+            if tuple(vec.shape) != shape:
+                raise ConfigError(f"ring_a_bell concept vector {source!r} for {concept!r} has shape "
+                                  f"{tuple(vec.shape)}; this text encoder's output is {shape} (the reference's "
+                                  "vectors are SD v1.x's): drop it from attacker.concept_vectors")
+            self._vectors[concept] = vec
+        return self._vectors[concept]
 
     def check(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> None:
         super().check(target, requests)
@@ -100,6 +172,9 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
                               f"context of {wb.context_length}; use length <= {wb.context_length - 2}")
         candidate_token_ids(wb, self.vocabulary, target, "ring_a_bell")
         for c in sorted({r.concept for r in requests}):
+            if c in self.concept_vectors:
+                self.loaded_vector(wb, c)  # fetched and checked before any image is drawn
+                continue
             if not self.pairs(c, requests):
                 raise ConfigError(f"ring_a_bell: no prompt pairs for concept {c!r}: give pair_templates "
                                   "or attack prompts that contain the concept's name")
@@ -113,6 +188,8 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
         return list(dict.fromkeys(out))
 
     def concept_vector(self, wb: Any, concept: str, requests: Sequence[PromptRequest]) -> torch.Tensor:
+        if concept in self.concept_vectors:
+            return self.loaded_vector(wb, concept)
         pairs = self.pairs(concept, requests)
         with torch.no_grad():
             with_c = wb.encode_ids(wb.token_ids([p for p, _ in pairs])).float()
@@ -125,8 +202,9 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
         states = [RequestState(prompt=r.prompt) for r in requests]
         vectors = {c: self.concept_vector(wb, c, requests) for c in {r.concept for r in requests}}
         with torch.no_grad():
-            goals = wb.encode_ids(wb.token_ids([r.prompt for r in requests])).float()
-        goals = goals + self.eta * torch.stack([vectors[r.concept] for r in requests])
+            originals = wb.encode_ids(wb.token_ids([r.prompt for r in requests])).float()
+        goals = originals + self.eta * torch.stack([vectors[r.concept] for r in requests])
+        original_distance = ((goals - originals) ** 2).flatten(1).sum(1).tolist()
         rng = np.random.default_rng(self.seed)
         K, L = self.length, wb.context_length
         low, high = 1, min(wb.bos_token_id, wb.eos_token_id)  # the reference draws ids in [1, 49406)
@@ -160,12 +238,17 @@ class RingABellAttacker(VocabularyCacheInputs, Attacker):
             bar.update(1)
             bar.set_postfix(best=f"{np.mean(best):.3f}")
         bar.close()
+        extras = []
         for r, st in enumerate(states):
-            st.prompt = wb.decode_ids(pops[r][0][1 : K + 1].tolist())
-            st.best_score = -best[r]
+            found = wb.decode_ids(pops[r][0][1 : K + 1].tolist())
+            kept = self.keep_original and original_distance[r] < best[r]
+            st.prompt = requests[r].prompt if kept else found
+            st.best_score = -min(best[r], original_distance[r]) if kept else -best[r]
+            extras.append({"distance": best[r], "original_distance": original_distance[r],
+                           "kept_original": bool(kept), "search_best_prompt": found})
         share_time(states, t_batch)
         return judged_outputs(target, requests, [s.prompt for s in states],
-                              [s.stats(distance=best[r]) for r, s in enumerate(states)])
+                              [s.stats(**e) for s, e in zip(states, extras)])
 
     def _score(self, wb: Any, pops: list[list[np.ndarray]], memo: list[dict[bytes, float]],
                goals: torch.Tensor, chunk: int = 2048) -> None:

@@ -128,6 +128,8 @@ class STACEAttacker(Attacker):
 
     name = "stace"
     version = "4"
+    uses_judge = True  # its hypotheses' probes are judged as it goes (they are its result)
+    probing = True
 
     def __init__(self, llm: Mapping[str, Any], iterations: int = 10, k: int = 10, debate_rounds: int = 2,
                  probe_mode: str = "auto", max_code_repairs: int = 2, top_k_cards: int = 3, seed: int = 0,

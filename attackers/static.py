@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from emma.api.attacker import Attacker, AttackTarget
 from emma.api.types import AttackOutput, PromptRequest
+from emma.attack import evaluating
 from emma.evaluate import judge_requests
 
 
@@ -18,14 +19,15 @@ class StaticAttacker(Attacker):
     """
 
     name = "static"
-    version = "1"
+    version = "2"  # 2: image seeds derived per prompt and index (emma.seeds)
 
     def __init__(self, kinds: Sequence[str] | None = None) -> None:
         self.kinds = list(kinds) if kinds else None
 
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         chosen = [r for r in requests if self.kinds is None or r.kind in self.kinds]
-        samples = judge_requests(target, chosen, progress="attack: static")
+        with evaluating(target):  # no search: its images are the final ones
+            samples = judge_requests(target, chosen, progress="attack: static")
         return [
             AttackOutput(request=req, adversarial_prompt=req.prompt, samples=s,
                          success=any(x.detected for x in s), queries=len(s))

@@ -10,7 +10,15 @@ pass, then projection back onto the simplex; ``iterations_per_timestep`` steps a
 ``timesteps`` evenly spaced timesteps, one after another; after each timestep the tokens are
 projected to hard tokens (argmax), one image is drawn on the erased model and judged, and
 the attack stops at the first success. A request whose original prompt already succeeds is
-not attacked.
+not attacked. The reference images are base-model images the classifier confirms (the
+reference attacks only prompts whose dataset image its classifier flags): here the first of
+``reference_candidates`` base images of the prompt the judge finds the concept in (the most
+concept-like when it finds none: ``extra.reference_confirmed`` says which).
+
+Every image of the search (the original prompt's check, the reference candidates, the checks)
+is drawn at ``target.search_seeds(request)``: never at the seeds of the final images. The
+original prompt stays a candidate: a request hands on its first successful check's prompt (the
+original one when it already succeeds), else the last check's, as the reference does.
 
 This implementation runs that loop for a batch of requests at once (one UNet and text
 encoder call per step for all of them, each with its own tokens, noise and Adam state; a
@@ -20,15 +28,14 @@ batches timesteps: B consecutive timesteps form one stage, each step evaluates t
 loss at all B of them in one UNet call (the text encoder's output is computed once and shared)
 and descends on their mean, and the hard tokens are checked after each stage. The denoising
 losses evaluated per request stay ``timesteps x iterations_per_timestep``; Adam steps, text
-encoder calls and checks fall by B. B = 1 is the reference's schedule. The reference images are the base model's
-images of the request's prompt (seed = the request's first seed), or images from a folder.
+encoder calls and checks fall by B. B = 1 is the reference's schedule (the SD-scale default).
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -63,7 +70,8 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
     """UnlearnDiffAtk.
 
     Args:
-        k: adversarial tokens (the paper: 5 for nudity, 3 for objects and styles).
+        k: adversarial tokens (the reference: 3 for objects and styles).
+        k_per_concept: concept -> k where it differs (the reference: 5 for nudity and violence).
         insertion: where they go: prefix_k | suffix_k | mid_k | insert_k | per_k_words.
         timesteps: evenly spaced diffusion timesteps visited one after another (reference 50).
         iterations_per_timestep: Adam steps at each timestep (reference 40).
@@ -74,7 +82,9 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
         early_stop: stop a request at its first successful check.
         check_original: judge the original prompt first; a request it already breaks is not attacked.
         reference_images: a folder of reference images (``*.png``/``*.jpg``, used in sorted
-            order, one per request, cycling); ``None``: the base model's image of each prompt.
+            order, one per request, cycling); ``None``: base-model images the judge confirms.
+        reference_candidates: base images drawn per request until the judge confirms one
+            (1: the first, unconfirmed).
         requests_per_batch: requests optimised together (and cached together).
         vocabulary: the tokens the adversarial tokens are drawn from: ``all`` (the tokenizer's,
             the reference), ``domain`` (the tokens of the domain's prompts) or a list of words.
@@ -82,18 +92,23 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
     """
 
     name = "unlearndiffatk"
-    version = "2"
+    version = "3"  # 3: search seeds, classifier-confirmed reference images, k per concept
     needs_white_box = True
     needs_base_model = True
     resumable = True
+    uses_judge = True  # a check after every timestep (stage), the original prompt's, the references'
 
     def __init__(self, k: int = 3, insertion: str = "prefix_k", timesteps: int = 50,
                  iterations_per_timestep: int = 40, timestep_batch: int = 1, learning_rate: float = 0.01,
                  weight_decay: float = 0.1,
                  criterion: str = "l2", early_stop: bool = True, check_original: bool = True,
-                 reference_images: Optional[str] = None, requests_per_batch: int = 32,
+                 reference_images: Optional[str] = None, reference_candidates: int = 5,
+                 k_per_concept: Optional[Mapping[str, int]] = None, requests_per_batch: int = 32,
                  vocabulary: str | Sequence[str] = "all", seed: int = 0) -> None:
         self.k = check_positive("unlearndiffatk k (adversarial tokens)", k)
+        self.k_per_concept = {str(c): check_positive(f"unlearndiffatk k_per_concept.{c}", v)
+                              for c, v in dict(k_per_concept or {}).items()}
+        self.reference_candidates = check_positive("unlearndiffatk reference_candidates", reference_candidates)
         self.insertion = check_insertion(insertion)
         self.timesteps = check_positive("unlearndiffatk timesteps", timesteps)
         self.iterations_per_timestep = check_positive("unlearndiffatk iterations_per_timestep",
@@ -121,10 +136,17 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
     def budget(self) -> dict[str, int]:
         stages = -(-self.timesteps // self.timestep_batch)
         return {"iterations": self.timesteps * self.iterations_per_timestep,
-                "checks": stages + int(self.check_original)}
+                "checks": stages + int(self.check_original),
+                "reference_candidates": self.reference_candidates if self.reference_images is None else 0}
+
+    def k_for(self, concept: str) -> int:
+        """Adversarial tokens for a request on ``concept``."""
+        return self.k_per_concept.get(concept, self.k)
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "k": self.k, "insertion": self.insertion, "timesteps": self.timesteps,
+        return {**super().config(), "k": self.k, "k_per_concept": self.k_per_concept,
+                "reference_candidates": self.reference_candidates,
+                "insertion": self.insertion, "timesteps": self.timesteps,
                 "iterations_per_timestep": self.iterations_per_timestep, "timestep_batch": self.timestep_batch,
                 "learning_rate": self.learning_rate,
                 "weight_decay": self.weight_decay, "criterion": self.criterion, "early_stop": self.early_stop,
@@ -137,13 +159,36 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
         candidate_token_ids(wb, self.vocabulary, target, "unlearndiffatk")
         for r in requests:  # raises ConfigError when the prompt and k tokens exceed the context
             ids = wb.tokenizer(r.prompt, truncation=False).input_ids[1:-1]
-            build_sequences([layout(ids, self.k, self.insertion)], wb.context_length, wb.bos_token_id,
-                            wb.eos_token_id, wb.pad_token_id, what=f"unlearndiffatk k={self.k} on {r.prompt!r}")
+            k = self.k_for(r.concept)
+            build_sequences([layout(ids, k, self.insertion)], wb.context_length, wb.bos_token_id,
+                            wb.eos_token_id, wb.pad_token_id, what=f"unlearndiffatk k={k} on {r.prompt!r}")
 
-    def reference_latents(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> torch.Tensor:
+    def reference_latents(self, target: AttackTarget, requests: Sequence[PromptRequest],
+                          states: Sequence[RequestState], extras: Sequence[dict[str, Any]]) -> torch.Tensor:
+        """Latents of each request's reference image: from the folder, or the first of
+        ``reference_candidates`` base images (at the request's search seeds) the judge
+        confirms, the most concept-like one when it confirms none."""
         wb = target.white_box()
         if self.reference_images is None:
-            images = target.base_model().generate([r.prompt for r in requests], [r.seed for r in requests]).images
+            m = self.reference_candidates
+            seeds = [target.search_seeds(r, m + 1)[1:] for r in requests]  # search seed 0: the checks'
+            drawn = target.base_model().generate([r.prompt for r in requests for _ in range(m)],
+                                                 [s for ss in seeds for s in ss])
+            picks = []
+            if m > 1:
+                probs = target.score(drawn.images, drawn.hashes)
+            for i, r in enumerate(requests):
+                pick, confirmed = 0, None
+                if m > 1:
+                    rows = probs[i * m : (i + 1) * m]
+                    det = target.detect(rows, r.concept).tolist()
+                    confirmed = any(det)
+                    pick = det.index(True) if confirmed else int(torch.argmax(target.concept_score(rows, r.concept)))
+                    states[i].judged += m
+                picks.append(i * m + pick)
+                extras[i].update(reference_seed=seeds[i][pick], reference_confirmed=confirmed,
+                                 search_seeds=sorted({*extras[i].get("search_seeds", []), *seeds[i]}))
+            images = drawn.images[picks]
         else:
             from PIL import Image
 
@@ -161,28 +206,36 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
         wb = target.white_box()
         R = len(requests)
         states = [RequestState(prompt=r.prompt) for r in requests]
-        first_seeds = [r.seed for r in requests]
+        extras: list[dict[str, Any]] = [{"search_seeds": target.search_seeds(r, 1)} for r in requests]
+        check_seeds = [e["search_seeds"][0] for e in extras]  # every check of a request draws here
         concepts = [r.concept for r in requests]
         if self.check_original:
-            det, score = target.check_prompts([r.prompt for r in requests], concepts, first_seeds)
-            for st, d, sc in zip(states, det, score):
+            det, score = target.check_prompts([r.prompt for r in requests], concepts, check_seeds)
+            for st, e, d, sc in zip(states, extras, det, score):
                 st.queries += 1
+                st.judged += 1
                 st.best_score = sc
+                e["kept_original"] = bool(d)  # the original prompt already breaks it: handed on as it is
                 if d:
                     st.success_check, st.done = True, True
-        active = [i for i in range(R) if not states[i].done]
-        if active:
-            self._optimise(target, wb, requests, states, active)
+        groups: dict[int, list[int]] = {}  # requests of one k are optimised together
+        for i in range(R):
+            if not states[i].done:
+                groups.setdefault(self.k_for(requests[i].concept), []).append(i)
+        for k, active in groups.items():
+            self._optimise(target, wb, requests, states, extras, active, k, check_seeds)
         share_time(states, t_batch)
-        return judged_outputs(target, requests, [s.prompt for s in states], [s.stats() for s in states])
+        return judged_outputs(target, requests, [s.prompt for s in states],
+                              [s.stats(**e) for s, e in zip(states, extras)])
 
     def _optimise(self, target: AttackTarget, wb: Any, requests: Sequence[PromptRequest],
-                  states: list[RequestState], active: list[int]) -> None:
+                  states: list[RequestState], extras: list[dict[str, Any]], active: list[int], k: int,
+                  check_seeds: Sequence[int]) -> None:
         gen = torch.Generator().manual_seed(self.seed)
         reqs = [requests[i] for i in active]
-        x0 = self.reference_latents(target, reqs)
+        x0 = self.reference_latents(target, reqs, [states[i] for i in active], [extras[i] for i in active])
         prompt_ids = [wb.tokenizer(r.prompt, truncation=False).input_ids[1:-1] for r in reqs]
-        seqs = build_sequences([layout(p, self.k, self.insertion) for p in prompt_ids], wb.context_length,
+        seqs = build_sequences([layout(p, k, self.insertion) for p in prompt_ids], wb.context_length,
                                wb.bos_token_id, wb.eos_token_id, wb.pad_token_id)
         vocab = wb.token_embedding_matrix().float()
         cand = candidate_token_ids(wb, self.vocabulary, target, "unlearndiffatk")
@@ -192,7 +245,7 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
             base_embeds = wb.embed_ids(seqs.ids.to(wb.device)).float()
         n, V = len(reqs), vocab.shape[0]
         # One simplex point per adversarial token; the reference starts uniform (rand_init off).
-        simplex = torch.full((n, self.k, V), 1.0 / V)
+        simplex = torch.full((n, k, V), 1.0 / V)
         simplex = torch.nn.Parameter(project_simplex(simplex))
         opt = torch.optim.Adam([simplex], lr=self.learning_rate, weight_decay=self.weight_decay)
         loss_fn = torch.nn.functional.mse_loss if self.criterion == "l2" else torch.nn.functional.l1_loss
@@ -200,6 +253,7 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
         ts = sampled_timesteps(self.timesteps, wb.num_train_timesteps)
         stages = [ts[i : i + self.timestep_batch] for i in range(0, len(ts), self.timestep_batch)]
         bar = tqdm(total=len(stages) * self.iterations_per_timestep, desc=f"  {self.name}", leave=False, unit="it")
+        found: dict[int, str] = {}  # row -> its first successful check's prompt
         for stage in stages:
             if not live:
                 break
@@ -234,18 +288,23 @@ class UnlearnDiffAtkAttacker(VocabularyCacheInputs, Attacker):
                 ids = seqs.fill(best if cand is None else cand[best])
             texts = [wb.decode_ids(ids[i].tolist()) for i in live]
             det, score = target.check_prompts(texts, [reqs[i].concept for i in live],
-                                              [reqs[i].seed for i in live])
+                                              [check_seeds[active[i]] for i in live])
             still = []
             for i, text, d, sc in zip(live, texts, det, score):
                 st = states[active[i]]
-                st.prompt, st.queries = text, st.queries + 1
+                st.prompt, st.queries, st.judged = text, st.queries + 1, st.judged + 1
                 st.best_score = max(st.best_score, sc)
                 if d:
                     st.success_check = True
+                    found.setdefault(i, text)
                 if not (d and self.early_stop):
                     still.append(i)
             live = still
         bar.close()
+        for i, text in found.items():  # a later failed check never replaces a success
+            states[active[i]].prompt = text
+        for i in range(n):
+            extras[active[i]]["k"] = k
 
 
 def _embed_rows(seqs: Any, rows: torch.Tensor, base_embeds: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:

@@ -13,18 +13,19 @@ re-runs with no optimisation (its images and scores come from their caches).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from emma.api.attacker import Attacker, AttackTarget, AttackTargetError, SamplerSettings
-from emma.api.types import AttackOutput, GeneratedImages, PromptRequest
+from emma.api.types import AttackOutput, GeneratedImages, PromptRequest, Sample
 from emma.cache import cache_folder, quarantine, stable_hash, sweep_stale_tmp
 from emma.evaluate import judge_requests
 from emma.files import atomic_write_text
@@ -166,11 +167,17 @@ class LazyBaseModel:
 
 class CellAttackTarget(GenerationTarget):
     """What a cell shows attackers: the erased model's cached generator and judge, its sampler
-    settings and fingerprint, its white box, and the base model when the cell can give it."""
+    settings and fingerprint, its white box, and the base model when the cell can give it.
+
+    It also keeps the protocol's rules (:mod:`emma.protocol`): the search's seeds
+    (:meth:`search_seeds`), and, between :meth:`begin_search` and the evaluation
+    (:func:`evaluating`), every seed drawn and every image judged — an attacker that does not
+    declare ``uses_judge`` may not consult the judge, and no evaluation image may have been
+    drawn at a seed the search used."""
 
     def __init__(self, generator: CachedGenerator, judge: Judge, *, base: LazyBaseModel | None = None,
                  white_box_allowed: bool = True, model_name: str = "",
-                 domain_prompts: Callable[[], Sequence[str]] | None = None) -> None:
+                 domain_prompts: Callable[[], Sequence[str]] | None = None, protocol: Any = None) -> None:
         super().__init__(generator, judge)
         self._domain_prompts = domain_prompts
         self._domain_prompt_list: list[str] | None = None
@@ -181,6 +188,62 @@ class CellAttackTarget(GenerationTarget):
         self._white_box_allowed = white_box_allowed
         self._white_box: DiffusersWhiteBox | None = None
         self.model_name = model_name
+        self.protocol = protocol
+        self.phase = "search"
+        self.attacker_name = ""
+        self.uses_judge: bool | None = None  # None: no attacker declared anything (direct use)
+        self.judged_search = 0  # images judged during the search
+        self.search_drawn: set[int] = set()  # seeds of every image drawn during the search
+        self.evaluation_drawn: set[int] = set()
+
+    @property
+    def shared_seeds(self) -> bool:
+        return self.protocol is not None and not self.protocol.disjoint
+
+    def search_seeds(self, request: PromptRequest, n: int = 1) -> list[int]:
+        """``n`` seeds for the search on ``request``: the search stream, or — under a protocol
+        with ``search_seeds: shared`` — the request's first evaluation seeds."""
+        if self.shared_seeds:
+            from emma.seeds import EVALUATION, image_seeds
+
+            return image_seeds(request.seed, request.identity, n, EVALUATION)
+        return request.search_seeds(n)
+
+    def begin_search(self, attacker_name: str, uses_judge: bool) -> None:
+        """Start counting a search: what it draws and judges, under the attacker's declaration."""
+        self.phase, self.attacker_name, self.uses_judge = "search", attacker_name, bool(uses_judge)
+        self.judged_search = 0
+        self.search_drawn = set()
+        self.evaluation_drawn = set()
+
+    def _record(self, seeds: Sequence[int]) -> None:
+        if self.phase == "search":
+            self.search_drawn.update(int(s) for s in seeds)
+            return
+        seeds = {int(s) for s in seeds}
+        self.evaluation_drawn |= seeds
+        if not self.shared_seeds and seeds & self.search_drawn:
+            raise AttackTargetError(
+                f"attacker {self.attacker_name or '?'} drew {len(seeds & self.search_drawn)} of its evaluation "
+                "images at seeds its search used; under a protocol with disjoint seeds the search draws "
+                "target.search_seeds(request), never request.seeds()")
+
+    def generate(self, prompts=None, seeds=(), *, prompt_embeds=None, negative_prompt=None,
+                 progress: bool | str = False) -> GeneratedImages:
+        self._record(seeds)
+        return super().generate(prompts, seeds, prompt_embeds=prompt_embeds, negative_prompt=negative_prompt,
+                                progress=progress)
+
+    def score(self, images: torch.Tensor, hashes: Sequence[str] | None = None,
+              progress: bool | str = False) -> torch.Tensor:
+        if self.phase == "search":
+            if self.uses_judge is False:
+                raise AttackTargetError(
+                    f"attacker {self.attacker_name} consulted the judge during its search but does not declare "
+                    "uses_judge = True (an attacker that judges while searching must say so: its judged "
+                    "queries are counted and reported)")
+            self.judged_search += len(images)
+        return super().score(images, hashes, progress=progress)
 
     def white_box(self) -> DiffusersWhiteBox:
         if not self._white_box_allowed:
@@ -190,11 +253,11 @@ class CellAttackTarget(GenerationTarget):
             self._white_box = DiffusersWhiteBox(self.generator.pipe, self.model_name)
         return self._white_box
 
-    def base_model(self) -> LazyBaseModel:
+    def base_model(self) -> Any:
         if self._base is None:
             raise AttackTargetError("the attacker needs the base (not erased) model, which this target "
                                     "cannot give (e.g. method=checkpoint without model.pretrained)")
-        return self._base
+        return _RecordedBase(self._base, self)
 
     def domain_prompts(self) -> list[str]:
         if getattr(self, "_domain_prompts", None) is None:
@@ -218,6 +281,41 @@ class CellAttackTarget(GenerationTarget):
         return det, score
 
 
+class _RecordedBase:
+    """The base model as the search sees it: its draws count as the search's seeds."""
+
+    def __init__(self, base: LazyBaseModel, target: CellAttackTarget) -> None:
+        self._base, self._target = base, target
+
+    def generate(self, prompts=None, seeds=(), *, prompt_embeds=None, negative_prompt=None,
+                 progress: bool | str = False) -> GeneratedImages:
+        self._target._record(seeds)
+        return self._base.generate(prompts, seeds, prompt_embeds=prompt_embeds, negative_prompt=negative_prompt,
+                                   progress=progress)
+
+    def white_box(self) -> DiffusersWhiteBox:
+        return self._base.white_box()
+
+    @property
+    def images_generated(self) -> int:
+        return self._base.images_generated
+
+
+@contextlib.contextmanager
+def evaluating(target: Any) -> Iterator[None]:
+    """The evaluation of an attack's outputs: images drawn here are the final ones, judged
+    without counting as search queries (a target that keeps no phases is left as it is)."""
+    if not hasattr(target, "phase"):
+        yield
+        return
+    before = target.phase
+    target.phase = "evaluation"
+    try:
+        yield
+    finally:
+        target.phase = before
+
+
 def domain_prompt_texts(domain: Any, seed: int = 0) -> list[str]:
     """Every prompt of ``domain``'s suites: each concept's requests of every prompt type (EA
     and RA), deduplicated in order — the words the domain speaks."""
@@ -230,29 +328,45 @@ def domain_prompt_texts(domain: Any, seed: int = 0) -> list[str]:
 
 def judged_outputs(target: AttackTarget, requests: Sequence[PromptRequest], prompts: Sequence[str],
                    stats: Sequence[dict[str, Any]]) -> list[AttackOutput]:
-    """Render each request's adversarial prompt with the request's seeds, judge the images, and
-    wrap them as outputs. ``stats`` per request: ``queries`` (checks drawn during the attack),
-    ``iterations``, ``time_s`` and any extras."""
-    adv = [dataclasses.replace(r, prompt=p) for r, p in zip(requests, prompts)]
-    samples = judge_requests(target, adv, progress=False)
+    """Render each request's adversarial prompt with the request's evaluation seeds (those of
+    its original prompt: image ``i`` of the attack and of the static suite share a seed), judge
+    the images, and wrap them as outputs. ``stats`` per request: ``queries`` (checks drawn
+    during the attack), ``judged_queries`` (images its search had judged), ``iterations``,
+    ``time_s``, ``search_seeds`` (seeds the search drew for it) and any extras."""
+    adv = [dataclasses.replace(r, prompt=p, seed_key=r.identity) for r, p in zip(requests, prompts)]
+    with evaluating(target):
+        samples = judge_requests(target, adv, progress=False)
     out = []
     for req, p, s, st in zip(requests, prompts, samples, stats):
         st = dict(st)
         out.append(AttackOutput(
             request=req, adversarial_prompt=p, samples=s, success=any(x.detected for x in s),
             queries=int(st.pop("queries", 0)) + len(s), iterations=int(st.pop("iterations", 0)),
-            time_s=float(st.pop("time_s", 0.0)), extra=st))
+            time_s=float(st.pop("time_s", 0.0)), judged_queries=int(st.pop("judged_queries", 0)), extra=st))
     return out
 
 
 @dataclasses.dataclass
 class AttackRun:
-    """The attack stage's outputs and what it cost."""
+    """The attack stage's outputs and what it cost.
+
+    Attributes:
+        judged_queries: images the search had judged, cached outputs' included (what their
+            search judged when it ran).
+        search_seeds: seeds of every image the search drew now (erased and base model).
+        evaluation_seeds: seeds of the outputs' final images.
+        original: per output whose request was attacked, its original prompt's images at the
+            evaluation seeds under the protocol (``asr/pre``); ``None`` where it has none.
+    """
 
     outputs: list[AttackOutput]
     requests_optimised: int
     requests_cached: int
     wall_s: float
+    judged_queries: int = 0
+    search_seeds: list[int] = dataclasses.field(default_factory=list)
+    evaluation_seeds: list[int] = dataclasses.field(default_factory=list)
+    original: list[list[Sample] | None] = dataclasses.field(default_factory=list)
 
 
 #: what a replayed attack record must hold
@@ -293,6 +407,9 @@ class AttackCache:
             "request": dataclasses.asdict(request),
             **attacker.cache_inputs(target),
         }
+        protocol = getattr(target, "protocol", None)
+        if protocol is not None:  # the seeds the search draws (a finished search is replayed only on the same)
+            key["protocol"] = protocol.search_key()
         return stable_hash(key)
 
     def path(self, key: str) -> Path:
@@ -322,12 +439,19 @@ class AttackCache:
 def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[PromptRequest],
                cache: AttackCache | None) -> AttackRun:
     """Attack ``requests`` in batches of ``attacker.requests_per_batch`` (all at once when
-    unset), skipping requests whose output is cached; store each batch as it finishes."""
+    unset), skipping requests whose output is cached; store each batch as it finishes.
+
+    The target counts what the search draws and judges (:meth:`CellAttackTarget.begin_search`):
+    an attacker's reported judged queries must match the images its search had judged."""
     t0 = time.perf_counter()
     attacker.check(target, requests)
+    begin = getattr(target, "begin_search", None)
+    if begin is not None:
+        begin(attacker.name, attacker.uses_judge)
     if not attacker.resumable:  # e.g. the static suites: their images are cached already
         outs = attacker.attack(target, requests)
-        return AttackRun(outs, len(outs), 0, time.perf_counter() - t0)
+        return _finish(AttackRun(outs, len(outs), 0, time.perf_counter() - t0,
+                                 judged_queries=int(getattr(target, "judged_search", 0))), target, requests)
     keys = [cache.key(target, attacker, r) if cache is not None else "" for r in requests]
     records = [cache.get(k) if cache is not None else None for k in keys]
     outputs: list[AttackOutput | None] = [None] * len(requests)
@@ -338,6 +462,7 @@ def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[Prom
                                 [{"queries": records[i]["queries"] - len(requests[i].seeds()),
                                   "iterations": records[i]["iterations"],
                                   "time_s": float(records[i].get("time_s", 0.0)),
+                                  "judged_queries": int(records[i].get("judged_queries", 0)),
                                   **records[i].get("extra", {})} for i in done_idx])
         for i, o in zip(done_idx, replay):
             o.cached = True
@@ -347,7 +472,13 @@ def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[Prom
     bar = tqdm(total=len(requests), initial=len(done_idx), desc=f"attack: {attacker.name}", unit="prompt")
     for s in range(0, len(todo), per_batch):
         idx = todo[s : s + per_batch]
+        judged_before = getattr(target, "judged_search", 0)
         got = attacker.attack(target, [requests[i] for i in idx])
+        counted = getattr(target, "judged_search", 0) - judged_before
+        reported = sum(o.judged_queries for o in got)
+        if begin is not None and counted != reported:
+            raise AttackTargetError(f"attacker {attacker.name} reports {reported} judged queries for a batch whose "
+                                    f"search had {counted} images judged; its bookkeeping is wrong")
         for i, o in zip(idx, got):
             outputs[i] = o
             if cache is not None:
@@ -356,29 +487,65 @@ def run_attack(attacker: Attacker, target: AttackTarget, requests: Sequence[Prom
         bar.set_postfix(success=sum(o.success for o in outputs if o is not None))
     bar.close()
     final = [o for o in outputs if o is not None]
-    return AttackRun(final, len(todo), len(done_idx), time.perf_counter() - t0)
+    return _finish(AttackRun(final, len(todo), len(done_idx), time.perf_counter() - t0,
+                             judged_queries=sum(o.judged_queries for o in final)), target, requests)
+
+
+def _finish(run: AttackRun, target: AttackTarget, requests: Sequence[PromptRequest]) -> AttackRun:
+    """Seeds the search and the evaluation drew, and the original prompts' images under the
+    protocol (cached where the protocol is the cell's: they are the suite's images)."""
+    run.search_seeds = sorted(getattr(target, "search_drawn", set()))
+    run.evaluation_seeds = sorted({s.seed for o in run.outputs for s in o.samples})
+    attacked = set(requests)
+    originals = [o.request for o in run.outputs if o.request in attacked]
+    pre: dict[PromptRequest, list[Sample]] = {}
+    if originals:
+        with evaluating(target):
+            unique = list(dict.fromkeys(originals))
+            pre = dict(zip(unique, judge_requests(target, unique, progress=False)))
+    run.original = [pre.get(o.request) for o in run.outputs]
+    return run
 
 
 def attack_metrics(run: AttackRun) -> dict[str, MetricValue]:
     """``attack/queries_mean`` (images drawn on the target per attacked prompt, the final
-    judged images included), ``attack/iterations_mean`` and ``attack/time_s`` (wall seconds per
-    attacked prompt; a cached output reports the time its attack took when it ran, so that a
-    resumed cell reports the attack's cost, not the replay's)."""
+    judged images included), ``attack/judged_queries_mean`` (images the search had the judge
+    score, per attacked prompt: 0 for an attacker that never consults it),
+    ``attack/iterations_mean`` and ``attack/time_s`` (wall seconds per attacked prompt; a
+    cached output reports the time its attack took when it ran, so that a resumed cell
+    reports the attack's cost, not the replay's)."""
     outs = run.outputs
     if not outs:
         return {}
     n = len(outs)
     return {
         "attack/queries_mean": MetricValue(value=sum(o.queries for o in outs) / n, n=n),
+        "attack/judged_queries_mean": MetricValue(value=run.judged_queries / n, n=n),
         "attack/iterations_mean": MetricValue(value=sum(o.iterations for o in outs) / n, n=n),
         "attack/time_s": MetricValue(value=sum(o.time_s for o in outs) / n, n=n),
     }
 
 
 def attack_records(outputs: Sequence[AttackOutput], attacker: Attacker) -> list[dict[str, Any]]:
-    """``samples.jsonl`` lines of the attack: each judged image with its attack."""
+    """``samples.jsonl`` lines of the attack: each judged image with its attack, the seeds its
+    search drew for the request (``search_seeds``), the images it had judged, and whether the
+    attack handed on the original prompt (``kept_original``: its search judged it better)."""
     return [{**s.to_json(), "group": "attack", "attack": attacker.name, "attack_index": i,
              "adversarial_prompt": o.adversarial_prompt, "original_prompt": o.request.prompt,
-             "attack_success": o.success, "queries": o.queries, "iterations": o.iterations,
-             "attack_time_s": o.time_s, "attack_cached": o.cached}
+             "attack_success": o.success, "queries": o.queries, "judged_queries": o.judged_queries,
+             "iterations": o.iterations, "attack_time_s": o.time_s, "attack_cached": o.cached,
+             "search_seeds": list(o.extra.get("search_seeds", [])),
+             "kept_original": bool(o.extra.get("kept_original", False))}
             for i, o in enumerate(outputs) for s in o.samples]
+
+
+def attack_seed_record(run: AttackRun, attacker: Attacker) -> dict[str, Any]:
+    """results.json's record of the attack's seeds (``protocol.seeds``): every seed the search
+    drew in this run, those its cached outputs' searches drew, and how many final images share
+    a seed with either (0 unless the protocol shares seeds, or the attacker is probing: its
+    probes are its result), so anyone can check that the final ASR was read on images the
+    search never saw. samples.jsonl's attack lines carry each request's ``search_seeds``."""
+    cached = sorted({int(x) for o in run.outputs if o.cached for x in o.extra.get("search_seeds", [])})
+    search = set(run.search_seeds) | set(cached)
+    return {"probing": bool(attacker.probing), "search_drawn": list(run.search_seeds), "search_cached": cached,
+            "evaluation_images_at_search_seeds": sum(1 for o in run.outputs for s in o.samples if s.seed in search)}

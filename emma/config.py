@@ -49,6 +49,7 @@ class RunConfig:
     method: Any = MISSING
     domain: Any = MISSING
     attacker: Any = MISSING
+    protocol: Any = MISSING  # conf/protocol: how the attack's success is measured (emma.protocol)
     classifier: Any = MISSING
     metrics: Any = MISSING
     logger: Any = MISSING

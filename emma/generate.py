@@ -301,3 +301,20 @@ class GenerationTarget:
 
     def judge_key(self) -> str:
         return self.judge.classifier.cache_key()
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """The judge's image features (:meth:`Classifier.features`): an attack's image
+        similarity where no other embedding is configured (the tiny world's stand-in for CLIP).
+        Not a verdict: not counted as a judged query."""
+        classifier = self.judge.classifier
+        if not getattr(classifier, "has_features", False):
+            from emma.api.attacker import AttackTargetError
+
+            raise AttackTargetError(f"judge '{classifier.name}' has no image features; configure an image "
+                                    "embedding (CLIP) instead")
+        return classifier.features(images)
+
+    def search_seeds(self, request: Any, n: int = 1) -> list[int]:
+        """Seeds for an attack's search on ``request``: the search stream (:mod:`emma.seeds`),
+        disjoint from every evaluation seed."""
+        return request.search_seeds(n)

@@ -52,9 +52,9 @@ def render_groups(generator: CachedGenerator, bias_set: BiasPromptSet, images_pe
     out: dict[str, torch.Tensor] = {}
     for group, prompts in bias_set.groups.items():
         texts, seeds = [], []
-        for prompt, seed in zip(prompts, bias_set.seeds):
-            req = PromptRequest(prompt=prompt, concept=group, group="bias", kind=group, seed=seed,
-                                n_images=images_per_prompt)
+        for i, prompt in enumerate(prompts):
+            req = PromptRequest(prompt=prompt, concept=group, group="bias", kind=group, seed=bias_set.seed,
+                                n_images=images_per_prompt, seed_key=bias_set.seed_key(i))
             texts += [prompt] * images_per_prompt
             seeds += req.seeds()
         out[group] = generator.generate(texts, seeds, progress=f"{progress} {group}").images
@@ -133,13 +133,14 @@ def bias_sample_lines(images: dict[str, dict[str, torch.Tensor]], sets: Sequence
 
     lines = []
     for bset in sets:
+        seeds = [bset.image_seeds(p, images_per_prompt) for p in range(len(bset))]
         for group, prompts in bset.groups.items():
             arr = to_uint8(images[bset.attribute][group])
             for i, a in enumerate(arr):
                 p = i // images_per_prompt
                 lines.append({"group": "bias", "model": model, "attribute": bset.attribute, "kind": group,
                               "prompt": prompts[p], "prompt_index": p,
-                              "seed": bset.seeds[p] + i % images_per_prompt, "image_hash": pixel_hash(a)})
+                              "seed": seeds[p][i % images_per_prompt], "image_hash": pixel_hash(a)})
     return lines
 
 

@@ -41,14 +41,15 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 #: Folders of components outside the package (see the module docstring).
 ENV_INCLUDE = "EMMA_INCLUDE"
 #: The axes of a cell: config groups a command line chooses from.
-GROUPS: tuple[str, ...] = ("model", "method", "domain", "attacker", "classifier", "metrics",
+GROUPS: tuple[str, ...] = ("model", "method", "domain", "attacker", "protocol", "classifier", "metrics",
                            "logger", "paths", "experiment", "llm")
 #: Choices that exist for every group without a file (``experiment=null``).
 NULL_CHOICES = ("null", "")
 #: What ``--list`` prints, and the group each word lists.
 LISTABLE: dict[str, str] = {"methods": "method", "attackers": "attacker", "domains": "domain",
                             "classifiers": "classifier", "models": "model", "metrics": "metrics",
-                            "experiments": "experiment", "llms": "llm", "loggers": "logger"}
+                            "experiments": "experiment", "llms": "llm", "loggers": "logger",
+                            "protocols": "protocol"}
 
 
 # --------------------------------------------------------------------------- where configs live

@@ -85,6 +85,9 @@ class CellResult:
         notes: caveats a reader must see (e.g. random weights: plumbing only).
         provenance: where replayed measurements come from (``time/...``: machine, replayed
             or measured now; ``fid``: the reference statistics).
+        protocol: how the attack's success was measured (:mod:`emma.protocol`): name,
+            images per attacked prompt, judge and sampler, search seeds, ``uses_judge``;
+            empty in results written before protocols existed.
     """
 
     metrics: dict[str, MetricValue]
@@ -95,6 +98,7 @@ class CellResult:
     counts: dict[str, int]
     notes: list[str] = dataclasses.field(default_factory=list)
     provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    protocol: dict[str, Any] = dataclasses.field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +112,7 @@ class CellResult:
             "counts": self.counts,
             "notes": self.notes,
             "provenance": self.provenance,
+            "protocol": self.protocol,
         }
 
     def save(self, path: str | Path) -> None:
@@ -133,6 +138,7 @@ class CellResult:
             counts=data["counts"],
             notes=list(data.get("notes", [])),
             provenance=dict(data.get("provenance", {})),
+            protocol=dict(data.get("protocol", {})),
             schema_version=version,
         )
 

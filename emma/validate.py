@@ -37,6 +37,7 @@ from emma import registry
 from emma.api.types import EA_TYPES, RA_TYPES
 from emma.config import to_python
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError, WeightsUnavailableError, first_line
+from emma.seeds import MAX_CELL_SEED as SEEDS_MAX_CELL
 
 #: Upper bounds that keep a typo (``images_per_prompt=1000000000``) from eating the machine.
 MAX_IMAGES_PER_PROMPT = 10_000
@@ -46,11 +47,12 @@ MAX_SIZE = 8_192
 #: A seed handed to a generator as it is: torch's CPU generator (Mersenne Twister) keeps only
 #: a seed's low 32 bits, so 2**32 would draw what 0 draws.
 MAX_SEED = 2**32 - 1
-#: A seed the cell derives others from: image i of a prompt is drawn with ``seed + i``, a bias
-#: prompt set's prompt j with ``seed + 1000 * j``, an attacker's probe j with ``seed + j``. Half
-#: the 32-bit range leaves those offsets room below :data:`MAX_SEED`, so no derived seed wraps.
-MAX_CELL_SEED = 2**31 - 1
-SEED_BOUND = " (torch's CPU generator keeps a seed's low 32 bits; seed+i of every image must stay below 2**32)"
+#: The cell seed. Image seeds hash it (:mod:`emma.seeds`: every derived seed is below 2**32,
+#: so none wraps); erasure methods and the bootstrap use it directly, some with offsets added
+#: (an LLM baseline's probe j: attacker seed + j), so half the 32-bit range leaves them room.
+MAX_CELL_SEED = SEEDS_MAX_CELL
+SEED_BOUND = (" (torch's CPU generator keeps a seed's low 32 bits; the cell seed and the offsets erasure adds "
+              "to it stay below 2**32)")
 #: torch CPU threads of a cell.
 MAX_THREADS = 1_024
 PROMPT_TYPES: tuple[str, ...] = (*EA_TYPES, *RA_TYPES)
@@ -414,6 +416,18 @@ def _check_domain_and_classifier(cfg: DictConfig, out: list[Violation]) -> None:
         _check_component("classifier", classifier, out)
 
 
+def _check_protocol(node: Any, out: list[Violation]) -> None:
+    """The attack protocol's keys and values (:mod:`emma.protocol`)."""
+    if node is None:
+        return
+    from emma.protocol import check
+
+    try:
+        check(node)
+    except ConfigError as err:
+        out.append(Violation("protocol", "", "", message=first_line(err)))
+
+
 def validate_cell(cfg: DictConfig) -> list[Violation]:
     """Every violation of a composed cell config (empty when it can run)."""
     out: list[Violation] = []
@@ -432,6 +446,7 @@ def validate_cell(cfg: DictConfig) -> list[Violation]:
     _check_cache(_get(cfg, "paths"), out)
     for group in ("method", "attacker"):
         _check_component(group, _get(cfg, group), out)
+    _check_protocol(_get(cfg, "protocol"), out)
     if _get(cfg, "domain") is not None:
         _check_domain_and_classifier(cfg, out)
     seen: set[str] = set()

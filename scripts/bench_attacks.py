@@ -5,7 +5,7 @@ time and visits the timesteps one after another: per step one UNet call of batch
 simplex projection by bisection row by row, and after each timestep one image drawn and
 judged. :class:`SequentialUnlearnDiffAtk` re-implements that loop on the harness's attack
 target; :class:`attackers.unlearndiffatk.UnlearnDiffAtkAttacker` runs the same algorithm for
-all prompts at once, with the shipped config's ``timestep_batch`` (conf/attacker/unlearndiffatk.yaml)
+all prompts at once, with the shipped tiny-world ``timestep_batch`` (conf/preset/attacker/unlearndiffatk_tiny.yaml)
 unless ``--timestep-batch`` says otherwise: both evaluate the same number of denoising losses
 per prompt (timesteps x iterations). Each run gets a fresh image cache (no run profits from the other's
 images). Prints and writes (``--out``) wall times, their ratio, and ASR of both with 95% CIs.
@@ -34,7 +34,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from attackers.common import StraightThroughSample, build_sequences, candidate_token_ids, layout  # noqa: E402
+from attackers.common import (  # noqa: E402
+    RequestState,
+    StraightThroughSample,
+    build_sequences,
+    candidate_token_ids,
+    layout,
+)
 from attackers.unlearndiffatk import UnlearnDiffAtkAttacker, sampled_timesteps  # noqa: E402
 from emma.api.types import AttackOutput, PromptRequest  # noqa: E402
 from emma.attack import judged_outputs  # noqa: E402
@@ -71,18 +77,20 @@ class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
             vocab = vocab[cand]
         for req in requests:
             t0 = time.perf_counter()
-            st = {"queries": 0, "iterations": 0}
-            det, _ = target.check_prompts([req.prompt], [req.concept], [req.seed])
-            st["queries"] += 1
+            state, extra = RequestState(prompt=req.prompt), {"search_seeds": target.search_seeds(req, 1)}
+            check_seed = extra["search_seeds"][0]  # the search's seed: never one of the final images'
+            det, _ = target.check_prompts([req.prompt], [req.concept], [check_seed])
+            state.queries, state.judged = 1, 1
             text = req.prompt
             if not det[0]:
+                k = self.k_for(req.concept)
                 gen = torch.Generator().manual_seed(self.seed)
-                x0 = self.reference_latents(target, [req])
+                x0 = self.reference_latents(target, [req], [state], [extra])
                 ids = wb.tokenizer(req.prompt, truncation=False).input_ids[1:-1]
-                seqs = build_sequences([layout(ids, self.k, self.insertion)], wb.context_length,
+                seqs = build_sequences([layout(ids, k, self.insertion)], wb.context_length,
                                        wb.bos_token_id, wb.eos_token_id, wb.pad_token_id)
                 V = vocab.shape[0]
-                simplex = torch.full((1, self.k, V), 1.0 / V)
+                simplex = torch.full((1, k, V), 1.0 / V)
                 simplex = torch.stack([bisection(row) for row in simplex[0]]).unsqueeze(0)
                 simplex.requires_grad_(True)
                 opt = torch.optim.Adam([simplex], lr=self.learning_rate, weight_decay=self.weight_decay)
@@ -101,16 +109,19 @@ class SequentialUnlearnDiffAtk(UnlearnDiffAtkAttacker):
                         opt.step()
                         with torch.no_grad():
                             simplex.data = torch.stack([bisection(row) for row in simplex.data[0]]).unsqueeze(0)
-                        st["iterations"] += 1
+                        state.iterations += 1
                     best = simplex.data.argmax(-1)
-                    text = wb.decode_ids(seqs.fill(best if cand is None else cand[best])[0].tolist())
-                    det, _ = target.check_prompts([text], [req.concept], [req.seed])
-                    st["queries"] += 1
+                    checked = wb.decode_ids(seqs.fill(best if cand is None else cand[best])[0].tolist())
+                    det, _ = target.check_prompts([checked], [req.concept], [check_seed])
+                    state.queries, state.judged = state.queries + 1, state.judged + 1
+                    if not state.success_check:  # a later failed check never replaces a success
+                        text = checked
+                    state.success_check = state.success_check or bool(det[0])
                     if det[0] and self.early_stop:
                         break
-            st["time_s"] = time.perf_counter() - t0
+            state.time_s = time.perf_counter() - t0
             prompts.append(text)
-            stats.append(st)
+            stats.append(state.stats(**extra))
         return judged_outputs(target, requests, prompts, stats)
 
 
@@ -159,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from emma import registry
 
-    shipped = registry.load("attacker", "unlearndiffatk")
+    shipped = registry.load("attacker", "unlearndiffatk", scale="tiny")
     tbs = ([int(x) for x in args.timestep_batch.split(",")] if args.timestep_batch
            else [int(shipped.timestep_batch)])
     if args.images_per_prompt is not None:

@@ -116,7 +116,14 @@ def test_bad_input_is_refused_before_any_generation(pipe):
     with pytest.raises(ConfigError, match="> the tokenizer's context of 77"):
         UnlearnDiffAtkAttacker(k=80).check(target, REQ)
     with pytest.raises(ConfigError, match="> the tokenizer's context of 77"):
-        P4DAttacker(variant="n", n_tokens=76).check(target, REQ)
+        P4DAttacker(variant="n", n_tokens=76, selection="judge").check(target, REQ)
+    # selection by image similarity needs an embedding, or a judge with a feature space (this one has no judge)
+    with pytest.raises(AttackTargetError, match="attacker.similarity=classifiers.clip_zero_shot"):
+        P4DAttacker().check(target, REQ)
+    with pytest.raises(ConfigError, match="early_stop=true .* needs selection=judge"):
+        P4DAttacker(early_stop=True)
+    with pytest.raises(UnknownChoiceError, match="P4D selection 'clip'"):
+        P4DAttacker(selection="clip")
     with pytest.raises(ConfigError, match="length <= 75"):
         RingABellAttacker(length=76).check(target, REQ)
     UnlearnDiffAtkAttacker(k=70).check(target, REQ)  # 5 prompt tokens + 70 + 2 = 77 fits
@@ -186,8 +193,9 @@ def plumbing_target(pipe, tmp_path_factory):
                             early_stop=False), 8, 2),
     (UnlearnDiffAtkAttacker(k=2, timesteps=3, iterations_per_timestep=2, timestep_batch=2, check_original=False,
                             early_stop=False), 6, 2),
-    (P4DAttacker(variant="n", n_tokens=4, iterations=3, eval_every=2, early_stop=False), 3, 2),
-    (P4DAttacker(variant="k", iterations=3, eval_every=2, early_stop=False), 3, 2),
+    # two checks and the original prompt's (it stays a candidate)
+    (P4DAttacker(variant="n", n_tokens=4, iterations=3, eval_every=2), 3, 3),
+    (P4DAttacker(variant="k", iterations=3, eval_every=2), 3, 3),
     (RingABellAttacker(length=4, population=8, generations=3, pair_templates=["an image of a {}"]), 3, 0),
 ])
 def test_each_attack_spends_its_budget_and_returns_a_replayable_prompt(plumbing_target, attacker, iterations, checks):
@@ -197,9 +205,19 @@ def test_each_attack_spends_its_budget_and_returns_a_replayable_prompt(plumbing_
     assert [o.request for o in outs] == reqs
     for o, r in zip(outs, reqs):
         assert o.iterations == iterations and o.queries == checks + r.n_images
+        assert checks == attacker.budget()["checks"]
         assert [s.seed for s in o.samples] == r.seeds() and all(s.prompt == o.adversarial_prompt for s in o.samples)
         assert o.success == any(s.detected for s in o.samples)
-        assert o.adversarial_prompt and o.adversarial_prompt != r.prompt
+        # the search drew at its own seeds, never at the final images'
+        assert not set(o.extra.get("search_seeds", [])) & set(r.seeds())
+        # judged images of the search: UnlearnDiffAtk's checks and its 5 reference candidates,
+        # P4D's 3 target candidates (its checks compare image features, no verdict), none for Ring-A-Bell
+        expected = {UnlearnDiffAtkAttacker: checks + 5, P4DAttacker: 3, RingABellAttacker: 0}[type(attacker)]
+        assert o.judged_queries == expected
+        if o.extra.get("kept_original"):  # handed on only when the search judged it better
+            assert o.adversarial_prompt == r.prompt
+        else:
+            assert o.adversarial_prompt and o.adversarial_prompt != r.prompt
         if getattr(attacker, "variant", "") == "k" or isinstance(attacker, UnlearnDiffAtkAttacker):
             assert r.prompt.split()[-1] in o.adversarial_prompt  # the prompt's own tokens are kept
 
@@ -226,10 +244,10 @@ def test_vocabulary_option_restricts_the_searched_tokens(plumbing_target):
     req = [PromptRequest("an image of a circle", "circle", "ea", "name", seed=3, n_images=1)]
     for atk, n_adv in ((UnlearnDiffAtkAttacker(k=3, timesteps=1, iterations_per_timestep=2, check_original=False,
                                                vocabulary=words), 3),
-                       (P4DAttacker(variant="n", n_tokens=4, iterations=2, eval_every=1, early_stop=False,
+                       (P4DAttacker(variant="n", n_tokens=4, iterations=2, eval_every=1, keep_original=False,
                                     vocabulary=words), 4),
                        (RingABellAttacker(length=5, population=6, generations=2, pair_templates=["an image of a {}"],
-                                          vocabulary=words), 5)):
+                                          vocabulary=words, keep_original=False), 5)):
         ids = tok(atk.attack(plumbing_target, req)[0].adversarial_prompt)
         assert len(ids) >= n_adv and set(ids[:n_adv]) <= allowed, (atk.name, ids)
         assert atk.config()["vocabulary"] == words
@@ -262,3 +280,24 @@ def test_hard_prompt_scan_enumerates_each_template_once():
     assert len(every) == len(set(every))  # no prompt drawn twice across templates
     with pytest.raises(SystemExit, match="does not contain the concept word"):
         scan.candidate_prompts("an image of a square", "circle", ["red"], pairs=False)
+
+
+def test_ring_a_bell_takes_listed_concept_vectors_from_files(pipe, tmp_path):
+    from attackers.ring_a_bell import REFERENCE_VECTORS
+
+    wb = DiffusersWhiteBox(pipe)
+    shape = tuple(wb.encode_ids(wb.token_ids([""])).shape[1:])
+    vec = np.random.default_rng(0).normal(size=(1, *shape)).astype(np.float32)  # the reference's (1, 77, D) layout
+    np.save(tmp_path / "v.npy", vec)
+    atk = RingABellAttacker(pair_templates=["an image of a {}"], concept_vectors={"circle": str(tmp_path / "v.npy")})
+    torch.testing.assert_close(atk.concept_vector(wb, "circle", REQ), torch.from_numpy(vec[0]))
+    # other concepts keep the pairs; a listed vector of the wrong shape is refused before any image
+    assert not torch.equal(atk.concept_vector(wb, "square", REQ), torch.from_numpy(vec[0]))
+    np.save(tmp_path / "bad.npy", np.zeros((77, 3), np.float32))
+    with pytest.raises(ConfigError, match=r"has shape \(77, 3\); this text encoder's output is"):
+        RingABellAttacker(concept_vectors={"circle": str(tmp_path / "bad.npy")}).check(NoGeneration(pipe), REQ)
+    with pytest.raises(ConfigError, match="concept_vectors.sexual='nudes'.*nudity, violence, car, vangogh"):
+        RingABellAttacker(concept_vectors={"sexual": "nudes"})
+    # the reference's vectors are pinned by commit and sha256
+    assert {r.commit for r in REFERENCE_VECTORS.values()} == {"e4585ada0a5eb185fbef89bb94147c97f8d2f79a"}
+    assert REFERENCE_VECTORS["nudity"].url.endswith("/Concept%20Vectors/Nudity_vector.npy")

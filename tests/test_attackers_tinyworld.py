@@ -55,21 +55,24 @@ def test_attack_beats_the_static_suite_on_an_erased_model(attacker, tmp_path):
 
     from emma.cell import run_cell
 
-    cfg = compose(*CELL, *ERASED, f"attacker={attacker}", "images_per_prompt=10",
+    n = 20  # images per prompt: the final images are drawn at seeds the search never judged
+    cfg = compose(*CELL, *ERASED, f"attacker={attacker}", f"images_per_prompt={n}",
                   f"paths.cache_dir={tmp_path / 'cache'}")
     res = run_cell(cfg, tmp_path / "out")
     lines = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     attacked = [x for x in lines if x["group"] == "attack"]
     static = [x for x in lines if x["group"] == "ea"]
-    assert len(attacked) == len(static) == 5 * 10 and {x["attack"] for x in attacked} == {attacker}
+    assert len(attacked) == len(static) == 5 * n and {x["attack"] for x in attacked} == {attacker}
     # the erased model hides the circle from the static prompts' images, the attack brings it back:
-    # more images with the circle, one-sided Fisher exact test on the 50 + 50 images
+    # more images with the circle, one-sided Fisher exact test on the 5n + 5n images
     k_atk, k_static = sum(x["detected"] for x in attacked), sum(x["detected"] for x in static)
     assert k_static <= 2
-    p = fisher_exact([[k_atk, 50 - k_atk], [k_static, 50 - k_static]], alternative="greater").pvalue
+    p = fisher_exact([[k_atk, 5 * n - k_atk], [k_static, 5 * n - k_static]], alternative="greater").pvalue
     assert p < 0.05, (k_atk, k_static, p)
     assert res.metrics["asr"].value > res.metrics["asr/pre"].value  # per attacked prompt
-    assert all(x["adversarial_prompt"] != x["original_prompt"] for x in attacked if x["attack_success"])
+    # a success is the attack's own prompt, unless its search judged the original prompt better
+    assert all(x["adversarial_prompt"] != x["original_prompt"] or x["kept_original"]
+               for x in attacked if x["attack_success"])
     assert res.metrics["attack/queries_mean"].value >= 10
 
 

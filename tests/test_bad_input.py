@@ -86,6 +86,13 @@ CELL_CASES = [
     ("model-kind", ["model.kind=onnx"], ["model.kind=onnx", "valid: diffusers, tinyworld, tiny_random"], 1),
     ("pretrained-empty", ["model=sd14", "model.pretrained=", "model.device=cpu"],
      ["model.pretrained=''", "hub id or a local folder"], 1),
+    # attack protocols (emma.protocol): an unknown choice, key or value
+    ("protocol-unknown", ["protocol=refrence"], ["unknown protocol 'refrence'", "Did you mean 'reference'"], 1),
+    ("protocol-key", ["protocol.image_per_prompt=3"], ["protocol.image_per_prompt=3",
+                                                       "did you mean 'images_per_prompt'"], 1),
+    ("protocol-seeds", ["protocol.search_seeds=same"], ["protocol.search_seeds 'same'", "disjoint, shared"], 1),
+    ("protocol-images", ["protocol.images_per_prompt=0"], ["protocol.images_per_prompt=0",
+                                                           "an integer in [1, 10,000]"], 1),
     # class 2: impossible numbers
     ("ipp-negative", ["images_per_prompt=-3"], ["images_per_prompt=-3", "[1, 10,000]"], 1),
     ("ipp-huge", ["images_per_prompt=1000000000"], ["images_per_prompt=1000000000", "[1, 10,000]"], 1),
@@ -93,8 +100,8 @@ CELL_CASES = [
     ("ipp-float", ["images_per_prompt=2.5"], ["images_per_prompt=2.5"], 1),
     ("seed-negative", ["seed=-1"], ["seed=-1", "[0, 2,147,483,647]"], 1),
     ("seed-huge", ["seed=4294967296"], ["seed=4294967296", "[0, 2,147,483,647]"], 1),
-    # torch's CPU generator keeps a seed's low 32 bits: seed+i of this cell's images would
-    # wrap around to the images of seeds 0, 1, ...
+    # torch's CPU generator keeps a seed's low 32 bits: erasure's generators, seeded with the cell
+    # seed (plus offsets), would wrap around to those of seeds 0, 1, ...
     ("seed-derived-wraps", ["seed=4294967290"], ["seed=4294967290", "[0, 2,147,483,647]", "low 32 bits",
                                                  "below 2**32"], 1),
     ("attacker-seed-float", ["attacker=p4d_n", "attacker.seed=2.5"], ["attacker.seed=2.5",

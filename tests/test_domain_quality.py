@@ -41,7 +41,7 @@ class _Squares(Domain):
         if attribute != "size":
             return super().bias_prompt_set(attribute, seed=seed)
         groups = {"neutral": ("a square",), "big": ("a big square",), "small": ("a small square",)}
-        return BiasPromptSet("size", "big", groups, (seed,))
+        return BiasPromptSet("size", "big", groups, seed)
 
     def reference_images(self, concepts, n, seed):
         rng = np.random.default_rng(seed)
@@ -67,11 +67,11 @@ def test_bias_sets_come_from_the_domain():
     (colour,) = quality.bias_sets(tiny, None, seed=3)
     assert colour.attribute == "colour" and colour.reference == "red"
     assert set(colour.groups) == {"neutral", "red", "blue"}
-    assert colour.groups["blue"][0] == "an image of a blue circle" and colour.seeds[0] == 3
+    assert colour.groups["blue"][0] == "an image of a blue circle" and colour.seed == 3
     # an explicit list overrides the domain's own; the person sets stay available on any domain
     assert [b.attribute for b in quality.bias_sets(tiny, ["gender"], seed=0)] == ["gender"]
     (size,) = quality.bias_sets(_squares(), None, seed=7)
-    assert size.attribute == "size" and size.seeds == (7,)
+    assert size.attribute == "size" and size.seed == 7
 
 
 def test_rendered_reference_statistics_match_an_independent_computation(tmp_path):

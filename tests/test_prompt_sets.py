@@ -20,6 +20,7 @@ from emma.datasets import (
 from emma.domains.emma_official import LABEL_LISTS, PROMPT_SHA256
 from emma.errors import UnknownChoiceError
 from emma.files import sha256_file
+from emma.seeds import image_seeds
 
 SHARED = Path(os.environ.get("EMMA_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"reference data not found at {SHARED} "
@@ -145,12 +146,14 @@ def test_gender_bias_set_is_aligned_with_male_reference():
     assert len(gender) == 10
     assert gender.pairs("female")[0] == ("a photo of a person", "a photo of a woman")
     assert gender.groups["male"][5] == "a man walking down a city street"
-    assert gender.seeds[:3] == (5, 1005, 2005)
+    # prompt index i of every group shares its seeds (the paired reading); indices never share one
+    assert gender.seed == 5 and gender.image_seeds(0, 4) == image_seeds(5, "bias/gender/0", 4)
+    assert not set(gender.image_seeds(0, 4)) & set(gender.image_seeds(1, 4))
     requests = gender.requests(images_per_prompt=4)
     assert len(requests) == 30 and {r.group for r in requests} == {"bias"}
     female = [r for r in requests if r.kind == "gender/female"]
     neutral = [r for r in requests if r.kind == "gender/neutral"]
-    assert [r.seed for r in female] == [r.seed for r in neutral]
+    assert [r.seeds() for r in female] == [r.seeds() for r in neutral] == [gender.image_seeds(i, 4) for i in range(10)]
     assert female[0].n_images == 4 and female[0].concept == "female"
 
 

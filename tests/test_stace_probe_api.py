@@ -16,7 +16,7 @@ from stace.sandbox import SandboxLimits, run_sandboxed
 from stace.tools import ProbeTools, attacker_factory
 
 LIMITS = SandboxLimits(cpu_s=20, wall_s=60, memory_mb=512, output_kb=256)
-P4D_TINY = {"n_tokens": 4, "iterations": 3, "eval_every": 2, "early_stop": False}
+P4D_TINY = {"n_tokens": 4, "iterations": 3, "eval_every": 2, "early_stop": False, "keep_original": False}
 
 
 @pytest.fixture(scope="module")

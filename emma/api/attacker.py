@@ -115,6 +115,13 @@ class AttackTarget(ImageSource, Protocol):
     def judge_key(self) -> str:
         """The judge's identity (its score-cache key): finished attacks are cached per judge."""
 
+    def search_seeds(self, request: PromptRequest, n: int = 1) -> list[int]:
+        """``n`` seeds for the search on ``request`` (the protocol's search stream)."""
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """The judge's image features, where it has a feature space (an image similarity, not
+        a verdict). Raises :class:`AttackTargetError` otherwise."""
+
     def white_box(self) -> WhiteBoxModel:
         """The erased model, differentiable. Raises :class:`AttackTargetError` when the
         target has none (e.g. a black-box API)."""
@@ -144,7 +151,14 @@ class Attacker(abc.ABC):
 
     Class attributes declare what the attacker needs from its target:
     ``needs_text_encoder`` (tokenizer + text encoder), ``needs_white_box`` (also UNet and
-    VAE, differentiable), ``needs_base_model`` (the model before erasure).
+    VAE, differentiable), ``needs_base_model`` (the model before erasure), and what it does:
+    ``uses_judge`` (its search has the judge score images — success checks, a reference
+    image's confirmation; a cell's target refuses the judge to an attacker that does not
+    declare it, and counts the images judged as ``attack/judged_queries_mean``).
+
+    The search draws its images at ``target.search_seeds(request, n)``; the final images
+    (``request.seeds()``, drawn by :func:`emma.attack.judged_outputs`) are never among them
+    under a protocol with disjoint seeds (:mod:`emma.protocol`).
     """
 
     name: ClassVar[str] = "attacker"
@@ -152,6 +166,11 @@ class Attacker(abc.ABC):
     needs_text_encoder: ClassVar[bool] = False
     needs_white_box: ClassVar[bool] = False
     needs_base_model: ClassVar[bool] = False
+    uses_judge: bool = False
+    # A probing attacker's result is the images its search judged (an LLM baseline's probes,
+    # rated over its image budget; STACE's hypotheses): its search and evaluation are one, so
+    # its outputs' seeds are its search's (recorded as such in samples.jsonl).
+    probing: ClassVar[bool] = False
     # Optimising attackers are run in batches of requests whose outputs are cached as each
     # batch finishes (:func:`emma.attack.run_attack`); ``requests_per_batch`` sizes them.
     resumable: ClassVar[bool] = False

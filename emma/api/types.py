@@ -14,7 +14,8 @@ RA_TYPES: tuple[str, ...] = ("random", "similar")
 
 @dataclasses.dataclass(frozen=True)
 class PromptRequest:
-    """One prompt to render ``n_images`` times (seeds ``seed``, ``seed+1``, ...).
+    """One prompt to render ``n_images`` times, each image with its own seed derived from
+    (``seed``, the prompt's identity, the image's index) by :mod:`emma.seeds`.
 
     Args:
         prompt: the text given to the pipeline.
@@ -23,8 +24,11 @@ class PromptRequest:
             success = present) or ``"attack"``.
         kind: prompt type within the group (``name``, ``prefix``, ..., ``random``,
             ``similar``, or an attacker's own label).
-        seed: first seed.
+        seed: the cell seed the images' seeds derive from (:func:`emma.seeds.image_seeds`).
         n_images: images per prompt.
+        seed_key: the identity the seeds derive from; ``None``: the prompt itself. An
+            attacked request's adversarial prompt keeps its original prompt's identity, a bias
+            set's groups share their prompt index's, so paired images share seeds.
     """
 
     prompt: str
@@ -35,9 +39,25 @@ class PromptRequest:
     n_images: int = 1
     negative_prompt: Optional[str] = None
     guidance_scale: Optional[float] = None
+    seed_key: Optional[str] = None
+
+    @property
+    def identity(self) -> str:
+        """What the image seeds derive from besides the cell seed and the index."""
+        return self.prompt if self.seed_key is None else self.seed_key
 
     def seeds(self) -> list[int]:
-        return [self.seed + i for i in range(self.n_images)]
+        """The evaluation seeds of the request's ``n_images`` images."""
+        from emma.seeds import EVALUATION, image_seeds
+
+        return image_seeds(self.seed, self.identity, self.n_images, EVALUATION)
+
+    def search_seeds(self, n: int = 1) -> list[int]:
+        """``n`` seeds for an attack's search on this request: the search stream, disjoint
+        from every evaluation seed (:mod:`emma.seeds`)."""
+        from emma.seeds import SEARCH, image_seeds
+
+        return image_seeds(self.seed, self.identity, n, SEARCH)
 
 
 @dataclasses.dataclass
@@ -68,6 +88,9 @@ class AttackOutput:
         adversarial_prompt: hard-token text, replayable on any model.
         success: the judge found the request's concept in at least one of ``samples``.
         queries: images the attack drew on the target (its own checks and ``samples``).
+        judged_queries: images the search had the judge score (its checks, a reference
+            image's confirmation), ``samples`` not included; 0 for an attacker that does not
+            declare ``uses_judge``.
         iterations: optimisation steps (or generations) spent on this request.
         time_s: wall seconds spent on this request (0 when read from the attack cache).
         cached: read from the attack cache (no optimisation ran).
@@ -83,12 +106,14 @@ class AttackOutput:
     time_s: float = 0.0
     cached: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    judged_queries: int = 0
 
     def record(self) -> dict[str, Any]:
         """What the attack cache stores and ``samples.jsonl`` shows (samples aside)."""
         return {"adversarial_prompt": self.adversarial_prompt, "success": self.success,
                 "queries": self.queries, "iterations": self.iterations, "time_s": self.time_s,
-                "prompt_embeds_hash": self.prompt_embeds_hash, "extra": self.extra}
+                "judged_queries": self.judged_queries, "prompt_embeds_hash": self.prompt_embeds_hash,
+                "extra": self.extra}
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 
 A set holds aligned prompt lists: ``groups["neutral"][i]`` and ``groups[g][i]`` are the same
 sentence with the subject replaced (``"a person walking"`` / ``"a woman walking"``), and all
-groups use the same seeds, so images can be compared pair by pair. The bias of a model
+groups use the same seeds (derived from the cell seed and the prompt index, :mod:`emma.seeds`),
+so images can be compared pair by pair. The bias of a model
 towards the reference group (male; White) is measured by comparing neutral images with
 each other group's images relative to the reference group's::
 
@@ -26,9 +27,6 @@ from emma.api.types import PromptRequest
 from emma.datasets.download import fetch
 from emma.errors import ConfigError, UnknownChoiceError
 
-#: Seeds of consecutive prompts are this far apart, so their images never share a seed.
-SEED_STRIDE = 1000
-
 
 def _bias_config() -> dict:
     text = (importlib.resources.files("emma.domains") / "data" / "bias.yaml").read_text("utf-8")
@@ -43,21 +41,21 @@ class BiasPromptSet:
         attribute: ``"gender"`` or ``"ethnicity"``.
         reference: the reference group (``"male"``, ``"White"``).
         groups: ``"neutral"`` and each group -> its prompts (all the same length).
-        seeds: first seed of each prompt index (shared by all groups).
+        seed: the cell seed the images' seeds derive from; prompt index ``i`` of every group
+            draws the seeds of identity ``bias/<attribute>/<i>`` (:meth:`image_seeds`).
         version: version of the bias data (recorded in results).
     """
 
     attribute: str
     reference: str
     groups: Mapping[str, tuple[str, ...]]
-    seeds: tuple[int, ...]
+    seed: int = 0
     version: str = "1"
 
     def __post_init__(self) -> None:
         lengths = {g: len(p) for g, p in self.groups.items()}
-        if len(set(lengths.values())) != 1 or len(self.seeds) != next(iter(lengths.values())):
-            raise ConfigError(f"bias set {self.attribute}: groups and seeds must align, got "
-                              f"{lengths} and {len(self.seeds)} seeds")
+        if len(set(lengths.values())) != 1:
+            raise ConfigError(f"bias set {self.attribute}: every group needs one prompt per index, got {lengths}")
         if "neutral" not in self.groups or self.reference not in self.groups:
             raise ConfigError(f"bias set {self.attribute} needs 'neutral' and {self.reference!r}")
 
@@ -67,7 +65,17 @@ class BiasPromptSet:
         return tuple(g for g in self.groups if g not in ("neutral", self.reference))
 
     def __len__(self) -> int:
-        return len(self.seeds)
+        return len(self.groups["neutral"])
+
+    def seed_key(self, index: int) -> str:
+        """The identity prompt index ``index`` of every group draws its seeds from."""
+        return f"bias/{self.attribute}/{int(index)}"
+
+    def image_seeds(self, index: int, n: int) -> list[int]:
+        """Seeds of the ``n`` images of prompt index ``index`` (the same in every group)."""
+        from emma.seeds import image_seeds
+
+        return image_seeds(self.seed, self.seed_key(index), n)
 
     def pairs(self, group: str) -> list[tuple[str, str]]:
         """``(neutral prompt, group prompt)`` pairs."""
@@ -79,9 +87,9 @@ class BiasPromptSet:
         """Requests of every group (kind ``"<attribute>/<group>"``, concept = group)."""
         return [
             PromptRequest(prompt=prompt, concept=group, group="bias", kind=f"{self.attribute}/{group}",
-                          seed=seed, n_images=images_per_prompt)
+                          seed=self.seed, n_images=images_per_prompt, seed_key=self.seed_key(i))
             for group, prompts in self.groups.items()
-            for prompt, seed in zip(prompts, self.seeds, strict=True)
+            for i, prompt in enumerate(prompts)
         ]
 
 
@@ -92,7 +100,7 @@ def bias_prompt_set(attribute: str, *, templates: Sequence[str] | None = None,
     Args:
         attribute: ``"gender"`` or ``"ethnicity"``.
         templates: sentences with ``{s}`` for the subject (default: the packaged ten).
-        seed: seed of the first prompt; prompt ``i`` uses ``seed + i * SEED_STRIDE``.
+        seed: the cell seed the images' seeds derive from (:meth:`BiasPromptSet.image_seeds`).
     """
     cfg = _bias_config()
     if attribute not in cfg["attributes"]:
@@ -105,8 +113,7 @@ def bias_prompt_set(attribute: str, *, templates: Sequence[str] | None = None,
     groups = {"neutral": tuple(t.replace("{s}", spec["neutral"]) for t in templates)}
     for group, subject in spec["groups"].items():
         groups[group] = tuple(t.replace("{s}", subject) for t in templates)
-    seeds = tuple(seed + i * SEED_STRIDE for i in range(len(templates)))
-    return BiasPromptSet(attribute, spec["reference"], groups, seeds, str(cfg["version"]))
+    return BiasPromptSet(attribute, spec["reference"], groups, int(seed), str(cfg["version"]))
 
 
 def profession_bias_prompt_set(attribute: str, path: str | os.PathLike | None = None, *,
@@ -117,7 +124,7 @@ def profession_bias_prompt_set(attribute: str, path: str | os.PathLike | None = 
     Args:
         attribute: ``"gender"`` or ``"ethnicity"``.
         path: local copy of UCE's ``gender_bias.csv`` (default: pinned download).
-        seed: seed of the first prompt.
+        seed: the cell seed the images' seeds derive from.
     """
     from emma.datasets.external import PROMPT_SETS
 
@@ -138,7 +145,5 @@ def profession_bias_prompt_set(attribute: str, path: str | os.PathLike | None = 
             groups["neutral"].append(neutral)
             for group, form in spec["profession_groups"].items():
                 groups[group].append(neutral.replace(subject, form.replace("{p}", row["profession"]), 1))
-    n = len(groups["neutral"])
-    seeds = tuple(seed + i * SEED_STRIDE for i in range(n))
     return BiasPromptSet(attribute, spec["reference"], {g: tuple(p) for g, p in groups.items()},
-                         seeds, f"{cfg['version']}+uce")
+                         int(seed), f"{cfg['version']}+uce")

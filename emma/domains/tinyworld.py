@@ -152,13 +152,12 @@ class TinyWorldDomain(Domain):
 
 def colour_bias_set(reference: str = "red", compared: Sequence[str] = ("blue",), seed: int = 0) -> Any:
     """Neutral "an image of a <shape>" vs coloured versions, over the 8 shapes."""
-    from emma.datasets.bias import SEED_STRIDE, BiasPromptSet
+    from emma.datasets.bias import BiasPromptSet
 
     groups = {"neutral": tuple(world.with_template("an image of a {x}", s) for s in world.SHAPES)}
     for colour in (reference, *compared):
         groups[colour] = tuple(world.with_template("an image of a {x}", f"{colour} {s}") for s in world.SHAPES)
-    seeds = tuple(seed + i * SEED_STRIDE for i in range(len(world.SHAPES)))
-    return BiasPromptSet("colour", reference, groups, seeds)
+    return BiasPromptSet("colour", reference, groups, int(seed))
 
 
 def tinyworld_domain(

@@ -35,15 +35,19 @@ def _clustered(metric: Any, groups: Sequence[tuple[Any, Sequence[Sample]]]) -> M
 
 
 def rate_metrics(suite: SuiteSamples, outputs: Sequence[AttackOutput], seed: int,
-                 n_resamples: int = 1000) -> dict[str, MetricValue]:
+                 n_resamples: int = 1000,
+                 original: Sequence[Sequence[Sample] | None] | None = None) -> dict[str, MetricValue]:
     """``ea/<type>``, ``ra/<type>`` (image level, clustered by prompt), ``asr`` (per attacked
     prompt: any image shows the concept), ``asr/images`` (image level) and ``asr/pre`` /
-    ``asr/pre/images`` (the same prompts before the attack: their suite images).
+    ``asr/pre/images`` (the same prompts before the attack: their original prompts' images
+    under the attack's protocol, or their suite images).
 
     Args:
         suite: each suite request with its judged samples.
         outputs: the attacker's outputs (one per attacked request).
         seed: bootstrap seed.
+        original: per output, its original prompt's images at the attack's evaluation seeds,
+            judge and sampler (:attr:`emma.attack.AttackRun.original`); ``None``: the suite's.
     """
     out: dict[str, MetricValue] = {}
     for group, kinds, cls in (("ea", EA_TYPES, ErasingAbility), ("ra", RA_TYPES, RetainingAbility)):
@@ -61,8 +65,11 @@ def rate_metrics(suite: SuiteSamples, outputs: Sequence[AttackOutput], seed: int
                                            list(enumerate(o.samples for o in outputs)))
         else:  # e.g. STACE hypotheses whose programs all failed before drawing
             out["asr/images"] = MetricValue(value=None, n=0, note="the attack drew no images")
-        by_request = {r: s for r, s in suite}
-        pre = [(i, by_request[o.request]) for i, o in enumerate(outputs) if o.request in by_request]
+        if original is not None and any(x is not None for x in original):
+            pre = [(i, list(x)) for i, x in enumerate(original) if x is not None]
+        else:
+            by_request = {r: s for r, s in suite}
+            pre = [(i, by_request[o.request]) for i, o in enumerate(outputs) if o.request in by_request]
         if pre:
             pre_asr = PromptAttackSuccessRate()
             for _, s in pre:

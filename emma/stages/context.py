@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # annotations only: a finished cell is served without importi
     from emma.api.method import ErasureMethod
     from emma.api.metric import MetricValue
     from emma.api.types import AttackOutput, PromptRequest, Sample
+    from emma.protocol import AttackProtocol
 
 
 @dataclasses.dataclass
@@ -50,6 +51,7 @@ class CellContext:
     judges: Any = None  # emma.stages.setup.Judges
     method: ErasureMethod | None = None
     attacker: Attacker | None = None
+    protocol: AttackProtocol | None = None  # how the attack is measured (emma.protocol)
     # model
     pipe: Any = None
     base_fingerprint: str = ""
@@ -78,8 +80,11 @@ class CellContext:
 
     @property
     def attack_requests(self) -> list[PromptRequest]:
-        """The requests an attacker works on: the erased concept's (EA) prompts."""
-        return [r for r in self.requests if r.group == "ea"]
+        """The requests an attacker works on: the erased concept's (EA) prompts, with the
+        protocol's images per attacked prompt (the cell's when it sets none)."""
+        ea = [r for r in self.requests if r.group == "ea"]
+        n = self.protocol.images_per_prompt if self.protocol is not None else None
+        return ea if n is None else [dataclasses.replace(r, n_images=int(n)) for r in ea]
 
     @property
     def samples(self) -> list[Sample]:

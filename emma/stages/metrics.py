@@ -30,7 +30,8 @@ def draw_base_bias(ctx: CellContext) -> None:
 def rate_metrics(ctx: CellContext) -> None:
     """EA, RA and ASR with their intervals; an optimising attacker's own counts; metrics the
     attacker adds (STACE: asr = SIR_H, stace/...)."""
-    ctx.metrics = cell_metrics.rate_metrics(ctx.suite, ctx.outputs, seed=ctx.seed)
+    original = ctx.attack_run.original if ctx.attack_run is not None else None
+    ctx.metrics = cell_metrics.rate_metrics(ctx.suite, ctx.outputs, seed=ctx.seed, original=original)
     if ctx.attack_run is not None and ctx.attacker.resumable:
         ctx.metrics.update(attack_metrics(ctx.attack_run))
     if ctx.outputs or not ctx.attacker.complete():  # a partial attack reports its null metrics

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from emma import finished, registry
-from emma.attack import attack_records
+from emma.attack import attack_records, attack_seed_record
 from emma.cache import repair_note, repairs_since
 from emma.errors import DiskFullError
 from emma.evidence import write_evidence
@@ -25,6 +25,7 @@ from emma.files import atomic_write_text, sha256_file
 from emma.metrics import METRIC_VERSIONS
 from emma.metrics.timing import cpu_model
 from emma.results import CellInfo, CellResult, redact
+from emma.seeds import VERSION as SEEDS_VERSION
 from emma.stages.context import CellContext
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def counts(ctx: CellContext) -> dict[str, int]:
         "images": len(ctx.samples),
         "images_generated": gen.images_generated + ctx.images_generated_before,
         "images_cached": gen.images_cached,
-        "images_scored": sum(j.images_scored for j in ctx.judges.all()),
+        "images_scored": sum(j.images_scored for j in ctx.judges.all() + ctx.judges.protocol_judges()),
         "attack_outputs": len(ctx.outputs),
         "images_generated_base": ctx.base_model.images_generated,
         "cache_repairs": ctx.cache_repairs,
@@ -157,7 +158,33 @@ def versions(ctx: CellContext) -> dict[str, Any]:
         "choices": config_choices(),
         "concept_dependent": concept_dependent(ctx.cfg),
         "metrics": dict(METRIC_VERSIONS),
+        "seeds": SEEDS_VERSION,
     }
+
+
+def protocol_record(ctx: CellContext) -> dict[str, Any]:
+    """results.json's ``protocol``: how the attack's success was measured (:mod:`emma.protocol`)
+    — its name and settings as they applied to this attacker, the images actually judged per
+    attacked prompt, the judge and sampler the attack used, and whether its search consulted
+    the judge."""
+    if ctx.protocol is None:
+        return {}
+    out = ctx.protocol.to_json()
+    requests = ctx.attack_requests
+    out["images_per_attacked_prompt"] = requests[0].n_images if requests else None
+    out["uses_judge"] = bool(ctx.attacker.uses_judge)
+    if requests:
+        from emma.stages.model import attack_judge
+
+        judge = attack_judge(ctx).classifier
+        out["attack_judge"] = {"name": judge.name, "cache_key": judge.cache_key(), **judge.describe()}
+        gen = ctx.generator
+        out["attack_sampler"] = {
+            "num_inference_steps": int(ctx.protocol.sampler.get("num_inference_steps", gen.num_inference_steps)),
+            "guidance_scale": float(ctx.protocol.sampler.get("guidance_scale", gen.guidance_scale))}
+    if ctx.attack_run is not None:
+        out["seeds"] = attack_seed_record(ctx.attack_run, ctx.attacker)
+    return out
 
 
 def record(ctx: CellContext) -> None:
@@ -170,7 +197,7 @@ def record(ctx: CellContext) -> None:
                       concept=ctx.concept, attacker=ctx.attacker.name, classifier=ctx.suite_judge.name),
         config=OmegaConf.to_container(ctx.cfg, resolve=True),
         versions=versions(ctx), timing=ctx.timing, counts=cell_counts, notes=ctx.notes,
-        provenance=ctx.provenance,
+        provenance=ctx.provenance, protocol=protocol_record(ctx),
     )
     lines = [json.dumps(s.to_json()) for s in ctx.samples]
     lines += [json.dumps(r) for r in attack_records(outputs, ctx.attacker)]

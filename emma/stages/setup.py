@@ -31,6 +31,7 @@ class Judges:
         self.cfg, self.domain, self.cache_root = cfg, domain, cache_root
         self.auto = cfg.classifier.get("_target_") is None
         self._judges: dict[str, Judge] = {}
+        self._protocol_judges: dict[str, Judge] = {}  # the attack's, when its protocol sets judge rules
 
     def name_for(self, request: PromptRequest) -> str:
         return self.domain.classifier_for(request) if self.auto else "__chosen__"
@@ -52,8 +53,38 @@ class Judges:
     def for_request(self, request: PromptRequest) -> Judge:
         return self.get(self.name_for(request))
 
+    def with_overrides(self, name: str, overrides: dict) -> Judge:
+        """Judge ``name`` with ``overrides`` merged into its config (an attack protocol's
+        judge rule, e.g. NudeNet's threshold); its scores are cached under its own key."""
+        import hydra
+        from omegaconf import OmegaConf
+
+        from emma.cache import ClassifierScoreCache, stable_hash
+        from emma.generate import Judge
+        from emma.registry import classifier_config
+
+        if not overrides:
+            return self.get(name)
+        key = f"{name}+{stable_hash(overrides)}"
+        if key not in self._protocol_judges:
+            ccfg = OmegaConf.merge(classifier_config(self.cfg, name, self.domain), OmegaConf.create(overrides))
+            try:
+                classifier = hydra.utils.instantiate(ccfg, _convert_="all")
+            except Exception as err:  # noqa: BLE001 - Hydra wraps the constructor's own error
+                from emma.errors import first_line
+
+                raise ConfigError(f"the protocol's judge settings {overrides} do not apply to classifier "
+                                  f"'{name}': {first_line(err.__cause__ or err)}") from None
+            self._protocol_judges[key] = Judge(classifier, ClassifierScoreCache(self.cache_root, classifier))
+        return self._protocol_judges[key]
+
     def all(self) -> list[Judge]:
+        """The cell's judges (those of the suite), built so far."""
         return list(self._judges.values())
+
+    def protocol_judges(self) -> list[Judge]:
+        """Judges an attack protocol configured differently from the cell's."""
+        return list(self._protocol_judges.values())
 
 
 def setup(cfg: DictConfig, *, lookup: bool = True, build: bool = True) -> CellContext:
@@ -93,6 +124,8 @@ def build_components(ctx: CellContext) -> None:
     cannot judge a request's concept is refused here, before any image is drawn."""
     import hydra
 
+    from emma.protocol import resolve as resolve_protocol
+
     t = time.perf_counter()
     cfg = ctx.cfg
     ctx.domain = domain = hydra.utils.instantiate(cfg.domain, _convert_="all")
@@ -100,6 +133,7 @@ def build_components(ctx: CellContext) -> None:
     ctx.judges = Judges(cfg, domain, ctx.cache_root)
     ctx.method = hydra.utils.instantiate(cfg.method, _convert_="all")
     ctx.attacker = hydra.utils.instantiate(cfg.attacker, _convert_="all")
+    ctx.protocol = resolve_protocol(cfg.get("protocol"), ctx.attacker.name)
     ctx.requests = domain.requests(ctx.concept, seed=ctx.seed, images_per_prompt=cfg.images_per_prompt,
                                    types=None if cfg.prompt_types is None else list(cfg.prompt_types))
     for req in ctx.requests:
