@@ -2,7 +2,7 @@
 scheduler, 20 steps, guidance 5, batch 32) and of classification (the tiny-world judge).
 
     python scripts/bench_tinyworld.py [--n 128] [--threads 2]
-    python scripts/bench_tinyworld.py --vs-unet v1 --threads 1 --repeats 3
+    python scripts/bench_tinyworld.py --model tinyworld2 --vs-unet v1 --threads 1 --repeats 3
 
 ``--vs-unet v1`` times, side by side in one run, the shipped pipeline and the same pipeline with
 the first tiny world's UNet architecture (``arch.UNET_CONFIG_V1``, random weights: the time of a
@@ -35,13 +35,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--model", default="tinyworld", help="model config (conf/model): tinyworld or tinyworld2")
     p.add_argument("--vs-unet", choices=["v1"], default=None,
                    help="also time the first tiny world's UNet architecture, side by side")
     p.add_argument("--repeats", type=int, default=3, help="alternating timings per pipeline (--vs-unet)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = registry.load("model", "tinyworld")
+    cfg = registry.load("model", args.model)
     pipe = load_pipeline(cfg)
     prompts = [f"an image of a {SHAPES[i % len(SHAPES)]}" for i in range(args.n)]
     bs = int(cfg.batch_size)
