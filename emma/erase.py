@@ -8,6 +8,7 @@ Layout of one entry (``<cache>/erased/<key>/``)::
                          of every weight/config file; ``checksum``: sha256 of the rest
     unet/                the method's edited components, saved with save_pretrained
     text_encoder/
+    method_state/        what the method needs besides them (ErasureMethod.save_state), if any
 
 The key is the sha256 of (base-model fingerprint, method config, concepts, domain, seed). An
 entry is built in a temporary folder and renamed into place, so a killed erase leaves no
@@ -41,6 +42,8 @@ from emma.metrics.timing import machine_description
 from emma.pipelines import fingerprint, freeze
 
 log = logging.getLogger(__name__)
+#: The entry's folder for what a method keeps besides its edited components (ErasureMethod.save_state).
+STATE_DIR = "method_state"
 
 
 @dataclasses.dataclass
@@ -180,6 +183,8 @@ def _load_verified(pipe: Any, method: ErasureMethod, key: str, entry: Path,
         for comp in manifest["components"]:
             _load_component(pipe, comp, entry / comp)
         check_finite_weights(pipe, manifest["components"], f"cached erased model {entry}")
+        if (entry / STATE_DIR).is_dir():
+            method.load_state(entry / STATE_DIR)
         return EraseResult(pipe, key, manifest["fingerprint"], float(manifest["wall_time_s"]), True, manifest)
     except (DamagedEntry, NonFiniteError, OSError, ValueError, KeyError, RuntimeError) as err:
         quarantine(entry, cache_root, "erased_model", f"{type(err).__name__}: {first_line(err)}")
@@ -258,6 +263,7 @@ def _erase_and_store(pipe: Any, method: ErasureMethod, concepts: list[str], root
         tmp.mkdir()
         for comp in method.edited_components:
             getattr(pipe, comp).save_pretrained(tmp / comp, safe_serialization=True)
+        method.save_state(tmp / STATE_DIR)  # e.g. SPM's membranes (hashed below with the weights)
         manifest["files"] = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
         manifest["checksum"] = _manifest_checksum(manifest)
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, default=str))

@@ -113,12 +113,15 @@ def config_path(group: str, name: str, what: str | None = None) -> Path:
     raise UnknownChoiceError(what or group, name, choices(group))
 
 
-def preset_path(group: str, name: str, scale: str | None) -> Path | None:
-    """The preset of component ``name`` for a model scale (``preset/method/esd_tiny.yaml``), if any."""
+def preset_path(group: str, name: str, scale: str | None, domain: str | None = None) -> Path | None:
+    """The preset of component ``name`` for a model scale (``preset/method/esd_tiny.yaml``), or
+    with ``domain`` its preset for that scale and domain (``preset/method_domain/esd_sd_object.yaml``:
+    a reference's per-domain settings), if any."""
     if not scale:
         return None
+    folder, stem = (f"{group}_domain", f"{name}_{scale}_{domain}") if domain else (group, f"{name}_{scale}")
     for root in conf_dirs():
-        path = root / "preset" / group / f"{name}_{scale}.yaml"
+        path = root / "preset" / folder / f"{stem}.yaml"
         if path.is_file():
             return path
     return None
@@ -144,24 +147,26 @@ def preset_chain(group: str, name: str, scale: str) -> list[DictConfig]:
 
 
 # --------------------------------------------------------------------------- one component
-def load(group: str, name: str, *, scale: str | None = None,
+def load(group: str, name: str, *, scale: str | None = None, domain: str | None = None,
          overrides: Mapping[str, Any] | None = None, what: str | None = None) -> DictConfig:
     """A component's config as a cell composes it: the file, then the preset for ``scale``
-    (when there is one), then ``overrides``; Hydra's ``defaults`` list is dropped.
+    (when there is one), then the preset for ``scale`` and ``domain`` (when there is one), then
+    ``overrides``; Hydra's ``defaults`` list is dropped.
 
     Args:
         group: config group (``method``, ``attacker``, ``classifier``, ``domain``, ...).
         name: the choice (file name without ``.yaml``).
         scale: model scale whose preset applies (``tiny``, ``sd``, ``sdxl``; ``None``: none).
+        domain: the domain whose preset at ``scale`` applies (``object``; ``None``: none).
         overrides: values merged last (nested mappings merge key by key).
         what: how an unknown choice is named in the error (``"STACE tool attacker"``).
     """
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(config_path(group, name, what))
-    preset = preset_path(group, name, scale)
-    if preset is not None:
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(preset))
+    for preset in (preset_path(group, name, scale), preset_path(group, name, scale, domain) if domain else None):
+        if preset is not None:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(preset))
     if overrides:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(dict(overrides)))
     if "defaults" in cfg:
@@ -169,7 +174,7 @@ def load(group: str, name: str, *, scale: str | None = None,
     return cfg
 
 
-def build(group: str, name: str, *, scale: str | None = None,
+def build(group: str, name: str, *, scale: str | None = None, domain: str | None = None,
           overrides: Mapping[str, Any] | None = None, what: str | None = None) -> Any:
     """The component :func:`load` configures, instantiated (its ``_target_``)."""
     import hydra.utils
@@ -178,7 +183,7 @@ def build(group: str, name: str, *, scale: str | None = None,
     from emma.errors import EmmaError
 
     activate_includes()
-    cfg = load(group, name, scale=scale, overrides=overrides, what=what)
+    cfg = load(group, name, scale=scale, domain=domain, overrides=overrides, what=what)
     try:
         return hydra.utils.instantiate(cfg, _convert_="all")
     except InstantiationException as err:  # Hydra wraps the constructor's own error

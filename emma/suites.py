@@ -7,6 +7,7 @@ Usage::
     python -m emma.suites counts domain=celebrity [source=emma_official]
     python -m emma.suites defects domain=celebrity
     python -m emma.suites download domain=object        # prefetch pinned files (or set=i2p, or all)
+    python -m emma.suites download set=en3k             # a method's reference data (set=all: every set)
 
 Options are ``key=value``: ``domain``, ``concept``, ``kind``, ``source`` (= ``suite.source``),
 ``root`` (= ``suite.root``, a local copy of EMMA's ``prompts/``), ``set``; any other dotted
@@ -126,12 +127,24 @@ def _cmd_download(options: dict[str, str], overrides: list[str]) -> None:
     from emma.datasets import PROMPT_SETS, fetch
     from emma.domains import available_domains, load_domain_config
     from emma.domains.emma_official import LABEL_LISTS, PROMPT_FILES, prompt_file
+    from emma.methods.reference_data import SETS as REFERENCE_SETS
 
     remotes = []
     if "set" in options:
-        if options["set"] not in PROMPT_SETS:
-            raise UnknownChoiceError("prompt set", options["set"], PROMPT_SETS)
-        remotes.append(PROMPT_SETS[options["set"]].remote)
+        name = options["set"]
+        if name == "all":
+            remotes.extend(spec.remote for spec in PROMPT_SETS.values())
+            remotes.extend(dict.fromkeys(r.remote for r in REFERENCE_SETS.values() if r.remote is not None))
+        elif name in REFERENCE_SETS:
+            ref = REFERENCE_SETS[name]
+            if ref.remote is None:
+                print(f"{ref.path()}  (shipped with the package: {ref.description})")
+                return
+            remotes.append(ref.remote)
+        elif name in PROMPT_SETS:
+            remotes.append(PROMPT_SETS[name].remote)
+        else:
+            raise UnknownChoiceError("data set", name, [*PROMPT_SETS, *REFERENCE_SETS, "all"])
     names = available_domains() if options.get("domain", "all") == "all" else [options["domain"]]
     if "set" not in options:
         for name in names:

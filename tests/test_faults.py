@@ -70,7 +70,7 @@ def test_cli_invalid_model_index_exits_2_with_one_line(tmp_path):
     folder = tmp_path / "pipe"
     folder.mkdir()
     (folder / "model_index.json").write_text("{}")
-    proc = emma_run(["model=sd14", "model.device=cpu", f"model.pretrained={folder}", *FAST,
+    proc = emma_run(["model=sd14", "domain=tinyworld", "model.device=cpu", f"model.pretrained={folder}", *FAST,
                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "cache")
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = _one_line(proc.stderr)
@@ -115,7 +115,7 @@ def test_missing_classifier_weights_path_is_told_as_a_path(tmp_path):
 
 
 def test_cli_missing_local_folder_exits_2_with_one_line(tmp_path):
-    proc = emma_run(["model=sd14", "model.device=cpu", "model.pretrained=/no/such/emma-dir", *FAST,
+    proc = emma_run(["model=sd14", "domain=tinyworld", "model.device=cpu", "model.pretrained=/no/such/emma-dir", *FAST,
                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "cache")
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = _one_line(proc.stderr)

@@ -512,9 +512,16 @@ def test_mace_auto_segmenter_falls_back_to_attention_offline():
     assert MACEMethod(segmenter="auto").config()["segmenter"] == "attention"
 
 
-def test_mace_grounded_sam_without_weights_is_a_clear_error(base, pipe):
+def test_mace_grounded_sam_without_weights_is_a_clear_error(base, pipe, monkeypatch):
+    # Offline, the method refuses to be built (the cell's setup), before any image is drawn.
+    with pytest.raises(WeightsUnavailableError, match="segmenter=attention"):
+        MACEMethod(segmenter="grounded_sam")
+    # Online (downloads allowed) the segmenter loads at the first mask; a failed load leaves the
+    # UNet as it was.
+    monkeypatch.setattr("emma.methods.mace.is_offline", lambda: False)
     m = MACEMethod(mapping_concepts="shape", num_images=1, aug_length=2, max_train_steps=1, sample_steps=1,
                    segmenter="grounded_sam", progress=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(WeightsUnavailableError, match="segmenter=attention"):
         m.erase(pipe, ["circle"], domain=DOMAIN)
     assert fingerprint(pipe) == fingerprint(base)

@@ -115,22 +115,27 @@ def test_paper_defaults():
     assert method_cfg("ca_model").loss == "model"
     fmn = method_cfg("fmn")
     assert (fmn.learning_rate, fmn.max_train_steps, fmn.only_optimize_ca, fmn.use_pooler) == (
-        2e-6, 35, True, True)
+        2e-6, 35, False, True)
 
 
-def test_emma_guide_concepts_per_domain():
+def test_reference_guide_concepts_per_domain():
+    """The guides of the method papers (docs/protocols/methods/*.md hold every other setting)."""
     uce = method_cfg("uce").guide_concepts
     g = {d: for_domain(uce, d, what="") for d in DOMAINS}
-    assert for_concept(g["object"], "cat", what="") == "animal"
-    assert for_concept(g["object"], "bicycle", what="") == "vehicle"
-    assert (g["celebrity"], g["style"], g["nsfw"], g["copyright"], g["tinyworld"]) == (
-        "a celebrity", "art", "", "logo", "shape")
+    assert (g["object"], g["celebrity"], g["style"], g["nsfw"], g["copyright"], g["tinyworld"]) == (
+        "", "a celebrity", "art", "", "logo", "shape")
+    preserved = for_domain(method_cfg("uce").preserve_concepts, "style", what="")
+    assert len(preserved) == 1734 and "Vincent Van Gogh" in preserved
     mace = method_cfg("mace").mapping_concepts
     assert [for_domain(mace, d, what="") for d in ("object", "celebrity", "style", "nsfw", "copyright")] == [
-        "sky", "person", "style", "a person in a neutral and safe situation", "logo"]
+        "sky", "a person", "art", "a person wearing clothes", "logo"]
     esd = method_cfg("esd").neutral_concepts
     assert {for_domain(esd, d, what="") for d in DOMAINS} == {""}
-    assert for_domain(method_cfg("ca").anchor_concepts, "tinyworld", what="") == "shape"
+    ca = method_cfg("ca").anchor_concepts
+    assert for_domain(ca, "tinyworld", what="") == "shape"
+    objects = for_domain(ca, "object", what="")
+    assert for_concept(objects, "cat", what="") == "animal" and for_concept(objects, "bicycle", what="") == "vehicle"
+    assert for_domain(ca, "style", what="") == "painting"
 
 
 def test_paper_defaults_of_the_newer_methods():

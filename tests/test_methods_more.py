@@ -369,7 +369,9 @@ def test_sd14_configs_erase_a_tiny_sd_of_the_same_classes(base, tmp_path, name):
     register_configs()
     folder = tmp_path / "sd14-like"
     base.save_pretrained(folder)
-    common = ["model=sd14", f"method={name}", "model.device=cpu", "model.dtype=float32", "metrics=rates_only",
+    # domain=tinyworld: an SD model's default domain is object, whose prompt files are downloads
+    common = ["model=sd14", "domain=tinyworld", f"method={name}", "model.device=cpu", "model.dtype=float32",
+              "metrics=rates_only",
               "prompt_types=[name]", "images_per_prompt=1", "model.num_inference_steps=2",
               "model.height=32", "model.width=32", f"paths.cache_dir={tmp_path / 'cache'}", *SMALL_SD[name]]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

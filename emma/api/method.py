@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 if TYPE_CHECKING:
@@ -49,6 +50,17 @@ class ErasureMethod(abc.ABC):
                 ``name`` and expand ``"<others>"`` from its ``concepts``; they read no
                 config file.
         """
+
+    def save_state(self, folder: Path) -> None:
+        """Write what :meth:`inference_guidance` needs besides the edited components (SPM's
+        membranes for its per-prompt scaling) into ``folder``; the erase cache stores it with
+        the entry (hashed like the weights) and hands it back to :meth:`load_state` when the
+        entry is reused. The default writes nothing."""
+        return None
+
+    def load_state(self, folder: Path) -> None:
+        """Read what :meth:`save_state` wrote (called when a cached erasure is reused)."""
+        return None
 
     def inference_guidance(self, pipe: Any, concepts: Sequence[str], *,
                            domain: Domain | None = None) -> InferenceGuidance | None:

@@ -20,6 +20,7 @@ from emma.api.domain import Domain
 from emma.api.method import OTHERS
 from emma.config import to_python
 from emma.errors import ConfigError, UnknownChoiceError
+from emma.methods import reference_data
 
 DEFAULT_DOMAIN = "default"
 PER_CONCEPT_DEFAULT = "_default"
@@ -52,15 +53,18 @@ def for_domain(mapping: Any, domain: Domain | str | None, *, what: str) -> Any:
         mapping: a dict keyed by domain name; a plain string or list applies to every domain.
         domain: the domain being erased, or its name (``None`` -> the ``default`` entry).
         what: the hyper-parameter's name, for the error message.
+
+    A ``"<data:NAME>"`` token in the entry (or spliced in a list) is replaced by that
+    reference data set (:mod:`emma.methods.reference_data`).
     """
     name = domain_name(domain)
     if not isinstance(mapping, Mapping):
-        return mapping
+        return reference_data.resolve(mapping)
     key = DEFAULT_DOMAIN if name is None else name
     if key in mapping:
-        return mapping[key]
+        return reference_data.resolve(mapping[key])
     if DEFAULT_DOMAIN in mapping:
-        return mapping[DEFAULT_DOMAIN]
+        return reference_data.resolve(mapping[DEFAULT_DOMAIN])
     raise UnknownChoiceError(f"domain for {what} (add an entry for it, or a 'default' entry)",
                              key, mapping.keys())
 
@@ -291,15 +295,18 @@ def generate_latents(
     batch_size: int = 8,
     progress: bool = False,
     desc: str = "generate",
+    negative_prompts: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """Generate ``x_0`` latents (scaled as the UNet sees them), one CPU generator per image."""
+    """Generate ``x_0`` latents (scaled as the UNet sees them), one CPU generator per image
+    (``negative_prompts``: one per prompt, or ``None`` for the unconditional prompt)."""
     from tqdm.auto import tqdm
 
     out = []
     for s in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress, leave=False):
         gens = [cpu_generator(x) for x in seeds[s : s + batch_size]]
+        extra = {} if negative_prompts is None else {"negative_prompt": list(negative_prompts[s : s + batch_size])}
         res = pipe(prompt=list(prompts[s : s + batch_size]), generator=gens, output_type="latent",
-                   num_inference_steps=int(num_inference_steps), guidance_scale=float(guidance_scale))
+                   num_inference_steps=int(num_inference_steps), guidance_scale=float(guidance_scale), **extra)
         out.append(res.images.float().cpu())
     return torch.cat(out)
 
@@ -454,25 +461,41 @@ def attention_side(num_queries: int, height: int, width: int) -> tuple[int, int]
 
 
 def domain_concept_names(domain: Domain | None) -> list[str]:
-    """The concept names of ``domain``, in its order (what ``"<others>"`` expands from)."""
+    """The concepts of ``domain`` as prompts write them (their labels: "Vincent van Gogh" for
+    ``vincent-van-gogh``), in its order (what ``"<others>"`` expands from)."""
     if domain is None:
         raise ConfigError(f"'{OTHERS}' stands for the domain's other concepts, but no domain was given; "
                           "pass the Domain being erased (domain=...) or list the concepts by name")
     if not isinstance(domain, Domain):
         raise ConfigError(f"'{OTHERS}' needs the Domain object, not {domain!r}, to know its concepts; build "
                           "it with emma.domains.load_domain(name)")
-    return list(domain.concepts)
+    return [domain.concept(name).label for name in domain.concepts]
+
+
+def erased_spellings(erased: Sequence[str], domain: Domain | None) -> set[str]:
+    """Lower-cased spellings of the erased concepts: each as given and, when ``domain`` knows
+    it, its name, label and aliases (a reference list may spell an artist otherwise)."""
+    low = {c.lower() for c in erased}
+    if isinstance(domain, Domain):
+        for c in erased:
+            try:
+                concept = domain.concept(c)
+            except (KeyError, ConfigError):
+                continue
+            low |= {t.lower() for t in (concept.name, concept.label, *concept.aliases) if t}
+    return low
 
 
 def expand_others(names: Any, domain: Domain | None, erased: Sequence[str]) -> list[str]:
     """A list of concept names with ``"<others>"`` replaced by the domain's concepts that are
-    not erased; erased concepts are dropped from the result either way (order kept, no
-    duplicates)."""
+    not erased and ``"<data:NAME>"`` by a reference list; erased concepts (in any spelling the
+    domain knows) are dropped from the result either way (order kept, no duplicates)."""
     if names is None:
         return []
     if isinstance(names, str):
         names = [names]
-    low = {c.lower() for c in erased}
+    names = reference_data.resolve(list(names))
+    low = erased_spellings(erased, domain)
     out: list[str] = []
     for n in names:
         items = domain_concept_names(domain) if n == OTHERS else [n]

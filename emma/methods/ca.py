@@ -10,15 +10,24 @@ the target ("a photo of a grumpy cat"). With ``x_t`` the noised anchor image:
 - ``loss="model"`` (model-based; the repository's default):
   ``|ε_θ(x_t, c_target) − sg(ε_θ(x_t, c_anchor))|²``.
 
-Defaults follow the paper's object/style setting (nupurkmr9/concept-ablation): cross-attention
-key/value fine-tuning, 100 steps, base learning rate 2e-6 scaled by the batch (4 images on
-each of 2 GPUs -> 1.6e-5), Adam(W), 1000 generated anchor images. Anchors per domain follow
-EMMA's generic concepts (objects -> their COCO super-category, styles -> painting, ...).
+Defaults follow the reference (nupurkmr9/concept-ablation @ c11fb1b, ``diffusers/``, the
+README's commands): cross-attention key/value fine-tuning, 100 steps, base learning rate 2e-6
+scaled by the batch (4 images on each of 2 GPUs -> 1.6e-5), AdamW, 1000 anchor images (25
+steps, guidance 6), horizontal flips, and for objects the random resize augmentation whose
+loss is masked to the image (with "a far away" / "zoomed in" words in the prompt). Styles
+anchor on its 199 painting captions (``"<data:ca_captions_painting>"``) with the target
+written "<caption>, in the style of <target>" or "in <target>'s style, <caption>" and no
+resize; nudity anchors on its 203 people captions with "<target>, <caption>"-style prompts,
+every attention projection at 4e-6 for 400 steps with prior preservation and the target as
+the anchor images' negative prompt (``conf/preset/method_domain/ca*_sd_*.yaml``). Object
+anchors are EMMA's COCO super-categories in caption templates (the reference asks an LLM for
+captions of the anchor). Card: ``docs/protocols/methods/ca.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -52,6 +61,60 @@ from emma.methods._common import (
 LOSSES = ("noise", "model")
 PARAMETER_GROUPS = ("cross-attn", "attn", "full-weight")
 DEFAULT_TEMPLATES: tuple[str, ...] = ("a photo of a {}", "a picture of a {}", "an image of a {}")
+#: How a target prompt is written from an anchor prompt: ``replace`` (the anchor's name replaced
+#: by the concept's: the reference's objects), ``style`` and ``nudity`` (the reference's
+#: ``__getprompt__`` phrasings, one of three drawn per sample).
+TARGET_PROMPTS = ("replace", "style", "nudity")
+STYLE_PHRASES = ("{caption}, in the style of {target}", "in {target}'s style, {caption}",
+                 "in {target}'s style, {caption}")
+NUDITY_PHRASES = ("{target}, {caption}", "in {target} style, {caption}", "{caption}, {target}")
+
+
+def target_phrases(mode: str) -> tuple[str, ...]:
+    """The reference's target-prompt phrasings of ``mode`` (``style`` / ``nudity``)."""
+    return STYLE_PHRASES if mode == "style" else NUDITY_PHRASES
+
+
+def augment_latent(x0: torch.Tensor, gen: torch.Generator, *, augment: bool,
+                   hflip: bool) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The reference's image augmentation (``CustomDiffusionDataset``) on one latent ``(C, h, w)``:
+    a horizontal flip with probability ½ (``hflip``), then (``augment``) a random resize — with
+    probability 0.66 to between a third and the whole size, placed at a random spot on a blank
+    canvas, else to 1.2-1.4 times the size, randomly cropped — and the loss mask: the image's
+    region less one latent pixel at its border (the whole latent when enlarged). Returns the
+    latent, the mask ``(1, h, w)`` and the words the reference prepends to the prompt ("a far
+    away ", "very small ", "zoomed in ", "close up " or ""). Done on latents (the harness draws
+    the anchor images as latents), at 8 pixels per latent pixel."""
+    c, h, w = x0.shape
+    if hflip and randint(2, gen) == 1:
+        x0 = x0.flip(-1)
+    size = h * 8
+    scale = size
+    if augment:
+        if float(torch.rand(1, generator=gen)) < 0.66:
+            scale = randint(size + 1, gen, low=size // 3)
+        else:
+            scale = randint(int(1.4 * size), gen, low=int(1.2 * size))
+    inner = max(1, round(scale / 8))
+    outer_px, inner_px = (scale, size) if scale > size else (size, scale)
+    top = randint(outer_px - inner_px + 1, gen) // 8
+    left = randint(outer_px - inner_px + 1, gen) // 8
+    resized = x0 if inner == h else F.interpolate(x0[None], size=(inner, inner), mode="bilinear",
+                                                  align_corners=False)[0]
+    mask = torch.zeros(1, h, w)
+    if scale > size:
+        out = resized[:, top : top + h, left : left + w]
+        mask[:] = 1.0
+    else:
+        out = torch.zeros_like(x0)
+        out[:, top : top + inner, left : left + inner] = resized
+        mask[:, top + 1 : top + inner - 1, left + 1 : left + inner - 1] = 1.0
+    words = ""
+    if scale < 0.6 * size:
+        words = ("a far away ", "very small ")[randint(2, gen)]
+    elif scale > size:
+        words = ("zoomed in ", "close up ")[randint(2, gen)]
+    return out, mask, words
 
 
 def ca_parameter_filter(group: str):
@@ -94,6 +157,14 @@ class ConceptAblationMethod(ErasureMethod):
             ``"<others>"`` standing for the domain's concepts that are not erased.
         prompt_templates: per domain, caption templates with ``{}`` (filled with the anchor for
             the images and the anchor prompt, with the concept for the target prompt).
+        anchor_prompts: per domain, captions the anchor images are drawn from instead of the
+            templates (``"<data:ca_captions_painting>"``), or ``None``.
+        target_prompts: per domain, how a target prompt is written from an anchor prompt:
+            ``replace``, ``style`` or ``nudity`` (:data:`TARGET_PROMPTS`).
+        anchor_negative_prompt: per domain, the negative prompt of the anchor images (``{}``:
+            the concept; the reference's nudity setting), or ``None``.
+        augment: the reference's random resize augmentation with its masked loss.
+        hflip: the reference's random horizontal flip (``--hflip``).
         parameter_group: ``cross-attn``, ``attn`` or ``full-weight``.
         learning_rate: base learning rate; multiplied by ``train_batch_size`` when ``scale_lr``.
         scale_lr: scale the learning rate by the batch size (the paper's ``--scale_lr``).
@@ -111,7 +182,7 @@ class ConceptAblationMethod(ErasureMethod):
     """
 
     name = "ca"
-    version = "2"
+    version = "3"
     edited_components = ("unet",)
 
     def __init__(
@@ -132,10 +203,20 @@ class ConceptAblationMethod(ErasureMethod):
         sample_steps: int = 50,
         sample_guidance: float = 6.0,
         detach_start_token: bool = True,
+        anchor_prompts: Any = None,
+        target_prompts: Any = "replace",
+        anchor_negative_prompt: Any = None,
+        augment: bool = False,
+        hflip: bool = False,
         progress: bool = True,
     ) -> None:
         if loss not in LOSSES:
             raise UnknownChoiceError("CA loss", loss, LOSSES)
+        target_prompts = to_python(target_prompts)
+        modes = target_prompts.values() if isinstance(target_prompts, dict) else [target_prompts]
+        for mode in modes:
+            if mode not in TARGET_PROMPTS:
+                raise UnknownChoiceError("CA target_prompts", str(mode), TARGET_PROMPTS)
         ca_parameter_filter(parameter_group)
         if int(train_batch_size) < 1 or int(num_class_images) < 1:
             raise ConfigError("CA needs train_batch_size >= 1 and num_class_images >= 1")
@@ -147,11 +228,19 @@ class ConceptAblationMethod(ErasureMethod):
             prior_loss_weight=float(prior_loss_weight), adam_weight_decay=float(adam_weight_decay),
             max_grad_norm=float(max_grad_norm), sample_steps=int(sample_steps),
             sample_guidance=float(sample_guidance), detach_start_token=bool(detach_start_token),
+            anchor_prompts=to_python(anchor_prompts), target_prompts=to_python(target_prompts),
+            anchor_negative_prompt=to_python(anchor_negative_prompt), augment=bool(augment), hflip=bool(hflip),
         )
         self.progress = bool(progress)
 
     def prompt_pairs(self, concepts: Sequence[str], domain: Domain | None) -> list[tuple[str, str]]:
-        """(anchor prompt, target prompt) pairs: every template, for every concept."""
+        """(anchor prompt, target) pairs for every concept: every template (or caption). The
+        target is the target prompt for ``target_prompts: replace``; for ``style`` / ``nudity``
+        it is the concept, which :func:`target_phrases` writes around the anchor prompt."""
+        return [(a, t) for a, t, _ in self._pairs(concepts, domain)]
+
+    def _pairs(self, concepts: Sequence[str], domain: Domain | None) -> list[tuple[str, str, str]]:
+        """:meth:`prompt_pairs` with the concept of each pair."""
         hp = self.hparams
         anchors = for_domain(hp["anchor_concepts"], domain, what="CA anchor_concepts")
         table = hp["prompt_templates"]
@@ -164,10 +253,20 @@ class ConceptAblationMethod(ErasureMethod):
         bad = [t for t in templates if t.count("{}") != 1]
         if bad or not templates:
             raise ConfigError(f"CA prompt_templates need exactly one '{{}}' each; bad: {bad or 'empty list'}")
+        captions = for_domain(hp["anchor_prompts"], domain, what="CA anchor_prompts")
+        mode = for_domain(hp["target_prompts"], domain, what="CA target_prompts")
         pairs = []
         for c in concepts:
             names = self.anchors_of(anchors, c, concepts, domain)
-            pairs += [(t.format(a), t.format(c)) for t in templates for a in names]
+            if captions:  # the reference's caption lists: anchor prompts as they are
+                for cap in ([captions] if isinstance(captions, str) else captions):
+                    a = next((n for n in names if n.lower() in cap.lower()), names[0])
+                    target = re.sub(re.escape(a), c, cap, flags=re.IGNORECASE) if mode == "replace" else c
+                    pairs.append((cap, target, c))
+            elif mode == "replace":
+                pairs += [(t.format(a), t.format(c), c) for t in templates for a in names]
+            else:
+                pairs += [(t.format(a), c, c) for t in templates for a in names]
         return pairs
 
     @staticmethod
@@ -194,7 +293,11 @@ class ConceptAblationMethod(ErasureMethod):
         concepts = check_concepts(concepts, pipe.tokenizer, method="CA")
         hp = self.hparams
         gen = cpu_generator(seed)
-        pairs = self.prompt_pairs(concepts, domain)
+        triples = self._pairs(concepts, domain)
+        pairs = [(a, t) for a, t, _ in triples]
+        owners = [c for _, _, c in triples]
+        mode = for_domain(hp["target_prompts"], domain, what="CA target_prompts")
+        negative = for_domain(hp["anchor_negative_prompt"], domain, what="CA anchor_negative_prompt")
 
         # Anchor images drawn by the unedited model; image i uses pair i mod len(pairs).
         n = hp["num_class_images"]
@@ -203,9 +306,14 @@ class ConceptAblationMethod(ErasureMethod):
         latents = generate_latents(pipe, [pairs[j][0] for j in pair_of], seeds,
                                    num_inference_steps=hp["sample_steps"],
                                    guidance_scale=hp["sample_guidance"],
-                                   progress=self.progress, desc="CA anchor images")
+                                   progress=self.progress, desc="CA anchor images",
+                                   negative_prompts=None if not negative else
+                                   [negative.format(owners[j]) for j in pair_of])
         anchor_emb = encode_text(pipe, [a for a, _ in pairs])
-        target_emb = encode_text(pipe, [t for _, t in pairs])
+        # The reference's data pipeline (flips, resize augmentation with a masked loss, target
+        # prompts written per sample) or, without any of it, fixed target prompts per pair.
+        per_sample = hp["augment"] or hp["hflip"] or mode != "replace"
+        target_emb = None if per_sample else encode_text(pipe, [t for _, t in pairs])
 
         unet = pipe.unet
         device, dtype = unet.device, unet.dtype
@@ -225,12 +333,28 @@ class ConceptAblationMethod(ErasureMethod):
                     if not order:
                         order = torch.randperm(n, generator=gen).tolist()
                     idx.append(order.pop())
-                x0 = latents[idx].to(device, torch.float32)
+                pj = [pair_of[i] for i in idx]
+                mask = None
+                if per_sample:
+                    views, masks, texts = [], [], []
+                    for i, j in zip(idx, pj, strict=True):
+                        view, m, words = augment_latent(latents[i], gen, augment=hp["augment"], hflip=hp["hflip"])
+                        views.append(view)
+                        masks.append(m)
+                        if mode == "replace":
+                            texts.append(words + pairs[j][1])
+                        else:
+                            phrase = target_phrases(mode)[randint(3, gen)]
+                            texts.append(words + phrase.format(caption=pairs[j][0], target=pairs[j][1]))
+                    x0 = torch.stack(views).to(device, torch.float32)
+                    mask = torch.stack(masks).to(device)
+                    c_target = encode_text(pipe, texts).to(device, torch.float32)
+                else:
+                    x0 = latents[idx].to(device, torch.float32)
+                    c_target = target_emb[pj].to(device, torch.float32)
                 noise = randn(x0.shape, gen, like=x0)
                 t = torch.randint(0, n_t, (len(idx),), generator=gen).to(device)
                 xt = sched.add_noise(x0, noise, t)
-                pj = [pair_of[i] for i in idx]
-                c_target = target_emb[pj].to(device, torch.float32)
                 c_anchor = anchor_emb[pj].to(device, torch.float32)
                 with autocast(device, dtype):
                     pred = unet(xt, t, encoder_hidden_states=c_target).sample
@@ -242,7 +366,12 @@ class ConceptAblationMethod(ErasureMethod):
                     prior = None
                     if hp["prior_preservation"]:
                         prior = unet(xt, t, encoder_hidden_states=c_anchor).sample
-                loss = F.mse_loss(pred.float(), target.float())
+                if mask is None:
+                    loss = F.mse_loss(pred.float(), target.float())
+                else:  # the reference: the mean over each image's valid region, then over the batch
+                    # (its sum runs over the channels too, its count over the pixels only)
+                    err = F.mse_loss(pred.float(), target.float(), reduction="none") * mask
+                    loss = (err.sum((1, 2, 3)) / mask.sum((1, 2, 3)).clamp_min(1.0)).mean()
                 if prior is not None:
                     loss = loss + hp["prior_loss_weight"] * F.mse_loss(
                         prior.float(), diffusion_target(sched, x0, noise, t).float())

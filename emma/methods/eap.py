@@ -23,10 +23,12 @@ iteration (``train_adversarial_gumbel.py`` of tuananhbui89/Erasing-Adversarial-P
 
 Defaults are those of the paper's runs (``run_imagenette.sh``): ESD-x, 1000 iterations, Adam
 1e-5, η 1, start guidance 3, 50 DDIM steps, Gumbel lr 1e-2, temperature 2, hard samples,
-1000 closest words, 100 centres, 2 steps per iteration. The reference's vocabulary is a
-list of 3000 English words; here ``vocabulary`` is the tokenizer's whole-word alphabetic
-tokens (the reference's ``CLIP`` option) or a given list. Candidate words equal to a word
-of the erased concept are left out (preserving the concept itself would undo the erasure).
+1000 closest words, 100 centres, 2 steps per iteration, the reference's 3,000 English words
+(``vocabulary: "<data:en3k>"``, a pinned download; ``"tokenizer"`` = the tokenizer's
+whole-word alphabetic tokens, the reference's ``CLIP`` option). Per domain (nudity: ESD-u,
+2000 closest words, 50 centres) see ``conf/preset/method_domain/`` and the protocol card
+``docs/protocols/methods/eap.md``. Candidate words equal to a word of the erased concept are
+left out (preserving the concept itself would undo the erasure).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.config import to_python
 from emma.errors import ConfigError
+from emma.methods import reference_data
 from emma.methods._common import (
     autocast,
     check_concepts,
@@ -65,7 +68,9 @@ _WORD = re.compile(r"^[a-z]{2,}$")
 
 def vocabulary_words(tokenizer: Any, vocabulary: Any) -> list[str]:
     """The candidate words: ``"tokenizer"`` = every whole-word token of the tokenizer made of
-    two or more letters (its ``</w>`` marker dropped), in token-id order; a list = those words."""
+    two or more letters (its ``</w>`` marker dropped), in token-id order; a list = those words;
+    ``"<data:en3k>"`` = the reference's 3,000 English words (:mod:`emma.methods.reference_data`)."""
+    vocabulary = reference_data.resolve(vocabulary)
     if isinstance(vocabulary, str):
         if vocabulary != "tokenizer":
             raise ConfigError(f"EAP vocabulary {vocabulary!r}: use 'tokenizer' (the tokenizer's whole-word "
@@ -158,7 +163,7 @@ class EAPMethod(ErasureMethod):
         start_guidance: classifier-free guidance of the sampler that draws ``x_t``.
         ddim_steps: DDIM steps of that sampler.
         neutral_concepts: per domain, the prompt of ``ε*(x_t, "")`` (``""``, as ESD).
-        vocabulary: ``"tokenizer"`` or a list of candidate words.
+        vocabulary: ``"tokenizer"``, a reference list (``"<data:en3k>"``) or a list of candidate words.
         k_closest: words nearest to the concept kept as candidates.
         num_centers: k-means centres (candidates preserved); ``<= 0``: all ``k_closest`` words.
         gumbel_lr / gumbel_temp / gumbel_hard: Adam learning rate, temperature and hard
@@ -199,8 +204,10 @@ class EAPMethod(ErasureMethod):
         if float(gumbel_temp) <= 0:
             raise ConfigError(f"EAP gumbel_temp must be > 0, got {gumbel_temp}")
         vocabulary = to_python(vocabulary)
-        if isinstance(vocabulary, str) and vocabulary not in VOCABULARIES:
-            raise ConfigError(f"EAP vocabulary {vocabulary!r}: use 'tokenizer' or a list of words")
+        named = reference_data.token_name(vocabulary) is not None
+        if isinstance(vocabulary, str) and vocabulary not in VOCABULARIES and not named:
+            raise ConfigError(f"EAP vocabulary {vocabulary!r}: use 'tokenizer', a reference list ('<data:en3k>') "
+                              "or a list of words")
         super().__init__(
             train_method=train_method, iterations=int(iterations), learning_rate=float(learning_rate),
             negative_guidance=float(negative_guidance), start_guidance=float(start_guidance),

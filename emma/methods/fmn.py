@@ -6,11 +6,12 @@ probabilities that the image's pixels put on the concept's tokens (and, with ``u
 on the end-of-text tokens), over every cross-attention layer. Minimising it teaches the model
 to ignore the concept's words; there is no replacement concept.
 
-Defaults follow the repository (SHI-Labs/Forget-Me-Not, ``configs/attn.yaml``) with EMMA's
-choice of cross-attention-only fine-tuning (``only_optimize_ca``): AdamW at 2e-6 (weight
-decay 0.01), 35 steps, batch 1, gradient clipping at 1, pooler token included, prompt
-"a photo of {}" ("a photo in the style of {}" for styles). The optional textual-inversion
-stage of the repository (``use_ti``) is not part of EMMA's setting and is not implemented.
+Defaults follow the repository (SHI-Labs/Forget-Me-Not, ``configs/attn.yaml``): the whole
+UNet (``only_optimize_ca: false``; EMMA fine-tuned cross-attention only, ``true``), AdamW at
+2e-6 (weight decay 0.01), 35 steps, batch 1, gradient clipping at 1, pooler token included,
+prompt "a photo of {}" ("a photo in the style of {}" for styles). The repository's optional
+textual-inversion stage (``use_ti``, on in its config) is not implemented: the concept's own
+words are re-steered (card: ``docs/protocols/methods/fmn.md``).
 """
 
 from __future__ import annotations

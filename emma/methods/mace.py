@@ -24,9 +24,16 @@ is built and recorded in :meth:`config`), or any callable ``(images, labels) -> 
 
 Defaults follow the MACE repository's object configuration (``configs/object``): λ = 1e3,
 no preservation term, LoRA rank 1, AdamW 1e-5 for 50 steps, batch 1, relation-focal
-importance sampling of timesteps, 8 training images per concept; mapping concepts per domain
-follow EMMA (objects → "sky", celebrities → "person", styles → "style", NSFW → "a person in a
-neutral and safe situation", logos → "logo").
+importance sampling of timesteps, 8 training images per concept (30 steps, guidance 7.5),
+30 of MACE's own prompt templates (``"<data:mace_templates_object>"`` /
+``"<data:mace_templates_style>"``, pinned downloads), Grounded-SAM masks. Its celebrity, art
+and explicit-content configurations (``conf/preset/method_domain/mace_sd_*.yaml``) set λ = 0
+and preserve prior knowledge: the statistics ``Σ (W c) cᵀ`` and ``Σ c cᵀ`` over every token of
+COCO captions (``prior_prompts``; the reference sums all 616,767 COCO-2014 captions, here a
+pinned 30,000-caption subset rescaled to that count by ``prior_prompt_count``) plus
+``preserve_weight`` times those of the domain's other concepts in the templates
+(``preserve_concepts``: the reference's domain cache), weighted by ``train_preserve_scale``
+and ``fuse_preserve_scale`` in the two closed forms. Card: ``docs/protocols/methods/mace.md``.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from tqdm.auto import tqdm
 from emma.api.domain import Domain
 from emma.api.method import ErasureMethod
 from emma.config import to_python
+from emma.datasets.download import is_offline
 from emma.errors import ConfigError, UnknownChoiceError, WeightsUnavailableError
 from emma.methods._common import (
     Attn2Processor,
@@ -59,6 +67,7 @@ from emma.methods._common import (
     domain_hparams,
     domain_name,
     encode_text,
+    expand_others,
     for_concept,
     for_domain,
     fp32_training,
@@ -77,7 +86,7 @@ logger = logging.getLogger(__name__)
 
 SEGMENTERS = ("auto", "grounded_sam", "attention", "none")
 POOLERS = ("all", "first")
-GROUNDING_DINO_ID = "IDEA-Research/grounding-dino-base"
+GROUNDING_DINO_ID = "IDEA-Research/grounding-dino-tiny"  # Swin-T OGC, the checkpoint MACE uses
 SAM_ID = "facebook/sam-vit-huge"
 
 # Prompt augmentation (30 templates per kind, as many as MACE's ``prompt_len``).
@@ -121,16 +130,16 @@ class GroundedSAMSegmenter:
 
     Args:
         detector_id / segmenter_id: Hugging Face model ids (``transformers`` classes).
-        box_threshold: detection score threshold (MACE: 0.3).
+        box_threshold / text_threshold: detection thresholds (MACE's get_mask: 0.3 / 0.25).
         device: torch device.
     """
 
     def __init__(self, detector_id: str = GROUNDING_DINO_ID, segmenter_id: str = SAM_ID,
-                 box_threshold: float = 0.3, device: str | None = None) -> None:
+                 box_threshold: float = 0.3, text_threshold: float = 0.25, device: str | None = None) -> None:
         from transformers import AutoModelForZeroShotObjectDetection, AutoProcessor, SamModel, SamProcessor
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.box_threshold = float(box_threshold)
+        self.box_threshold, self.text_threshold = float(box_threshold), float(text_threshold)
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         try:
             self.det_proc = AutoProcessor.from_pretrained(detector_id, local_files_only=offline)
@@ -156,7 +165,7 @@ class GroundedSAMSegmenter:
             inputs = self.det_proc(images=pil, text=text, return_tensors="pt").to(self.device)
             out = self.det(**inputs)
             res = self.det_proc.post_process_grounded_object_detection(
-                out, inputs.input_ids, threshold=self.box_threshold, text_threshold=self.box_threshold,
+                out, inputs.input_ids, threshold=self.box_threshold, text_threshold=self.text_threshold,
                 target_sizes=[pil.size[::-1]])[0]
             boxes = res["boxes"].tolist()
             h, w = img.shape[-2:]
@@ -186,13 +195,20 @@ class MACEMethod(ErasureMethod):
         data_prompts: per domain, the template of the prompt that draws the training images.
         num_images: training images drawn per concept (MACE: 8).
         aug_length: templates used per concept (MACE: 30 of ``prompt_len``).
+        prompt_len: templates drawn from (the first ``prompt_len`` of the list; ``None``: all).
         lamb: λ of both closed forms.
         all_words: the reference's ``all_words`` switch of the refinement: map every token of
             the concept prompt (the concept's own tokens too, position by position) onto the
             mapping prompt's, instead of only the tokens the two prompts share.
-        train_preserve_scale / fuse_preserve_scale: weights of the preservation statistics of
-            ``preserve_concepts`` in the two closed forms (MACE caches COCO captions there).
-        preserve_concepts: per domain, prompts whose outputs are preserved.
+        train_preserve_scale / fuse_preserve_scale: weights of the preservation statistics in
+            the two closed forms.
+        prior_prompts: per domain, prompts whose statistics (every token) are preserved — MACE's
+            prior cache of COCO captions (``"<data:coco_captions_30k>"``) — or ``None``.
+        prior_prompt_count: rescale the prior statistics to this many prompts (the reference
+            sums 616,767 captions; ``None``: as many as given).
+        preserve_concepts: per domain, concepts (``"<others>"``: the domain's other concepts)
+            whose prompts in the domain's templates form MACE's domain cache.
+        preserve_weight: weight of the domain cache against the prior cache.
         learning_rate / max_train_steps / train_batch_size / adam_weight_decay /
             max_grad_norm: LoRA training (AdamW).
         rank: LoRA rank.
@@ -210,7 +226,7 @@ class MACEMethod(ErasureMethod):
     """
 
     name = "mace"
-    version = "1"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
@@ -220,11 +236,15 @@ class MACEMethod(ErasureMethod):
         data_prompts: Any = "a photo of the {}",
         num_images: int = 8,
         aug_length: int = 30,
+        prompt_len: int | None = None,
         lamb: float = 1e3,
         all_words: bool = False,
         train_preserve_scale: float = 0.0,
         fuse_preserve_scale: float = 0.0,
+        prior_prompts: Any = None,
+        prior_prompt_count: int | None = None,
         preserve_concepts: Any = None,
+        preserve_weight: float = 0.0,
         learning_rate: float = 1e-5,
         max_train_steps: int = 50,
         train_batch_size: int = 1,
@@ -247,20 +267,36 @@ class MACEMethod(ErasureMethod):
             segmenter = f"callable:{getattr(segmenter, '__qualname__', type(segmenter).__name__)}"
         elif segmenter not in SEGMENTERS:
             raise UnknownChoiceError("MACE segmenter", str(segmenter), SEGMENTERS)
+        elif segmenter == "grounded_sam" and is_offline() and not grounded_sam_available():
+            # Refused when the method is built (the cell's setup), not after its images are drawn.
+            raise WeightsUnavailableError(
+                f"MACE segmenter=grounded_sam needs {GROUNDING_DINO_ID} and {SAM_ID}, which are not in this "
+                f"machine's Hugging Face cache and downloads are off (HF_HUB_OFFLINE/EMMA_OFFLINE): run "
+                f"`huggingface-cli download {GROUNDING_DINO_ID}` and `huggingface-cli download {SAM_ID}` where "
+                "the Hub is reachable, or choose method.segmenter=attention (no extra weights)")
         elif segmenter == "auto":
             # Resolved now so that the erased-model cache key says which masks were used.
             segmenter = "grounded_sam" if grounded_sam_available() else "attention"
             if segmenter == "attention":
-                logger.info("MACE: GroundingDINO/SAM weights not found; using attention masks")
+                logger.warning("MACE segmenter=auto: GroundingDINO/SAM weights are not on this machine, so the "
+                               "masks are the model's own cross-attention maps (recorded as segmenter=attention); "
+                               "the reference uses Grounded-SAM")
         if pooler not in POOLERS:
             raise UnknownChoiceError("MACE pooler", str(pooler), POOLERS)
         if int(rank) < 1 or int(num_images) < 1 or int(aug_length) < 1:
             raise ConfigError("MACE needs rank, num_images and aug_length >= 1")
+        if prompt_len is not None and int(prompt_len) < int(aug_length):
+            raise ConfigError(f"MACE prompt_len ({prompt_len}) must be at least aug_length ({aug_length}), or null")
+        if prior_prompt_count is not None and int(prior_prompt_count) < 1:
+            raise ConfigError(f"MACE prior_prompt_count must be >= 1 or null, got {prior_prompt_count}")
         super().__init__(
             mapping_concepts=to_python(mapping_concepts), prompt_templates=to_python(prompt_templates),
             data_prompts=to_python(data_prompts), num_images=int(num_images), aug_length=int(aug_length),
+            prompt_len=None if prompt_len is None else int(prompt_len),
             lamb=float(lamb), all_words=bool(all_words), train_preserve_scale=float(train_preserve_scale),
-            fuse_preserve_scale=float(fuse_preserve_scale), preserve_concepts=to_python(preserve_concepts),
+            fuse_preserve_scale=float(fuse_preserve_scale), prior_prompts=to_python(prior_prompts),
+            prior_prompt_count=None if prior_prompt_count is None else int(prior_prompt_count),
+            preserve_concepts=to_python(preserve_concepts), preserve_weight=float(preserve_weight),
             learning_rate=float(learning_rate), max_train_steps=int(max_train_steps),
             train_batch_size=int(train_batch_size), adam_weight_decay=float(adam_weight_decay),
             max_grad_norm=float(max_grad_norm), rank=int(rank), importance_sampling=bool(importance_sampling),
@@ -279,6 +315,8 @@ class MACEMethod(ErasureMethod):
             out = list(table)
         else:
             out = list(STYLE_TEMPLATES if is_style_domain(domain) else OBJECT_TEMPLATES)
+        if hp.get("prompt_len") is not None:
+            out = out[: hp["prompt_len"]]
         bad = [t for t in out if t.count("{}") != 1]
         if bad or not out:
             raise ConfigError("MACE prompt_templates need exactly one '{}' each; "
@@ -319,7 +357,7 @@ class MACEMethod(ErasureMethod):
         modules = [m for _, m in attn2_modules(pipe.unet)]
         layers = [m.to_v for m in modules] + [m.to_k for m in modules]
         originals = [lay.weight.detach().clone() for lay in layers]
-        pres_stats = self._preserve_stats(pipe, hp, domain, concepts, layers)
+        pres_stats = self._preserve_stats(pipe, hp, domain, concepts, layers, templates)
         try:
             # Stage 1: closed-form refinement.
             self._refine(pipe, pairs, layers, pres_stats, hp)
@@ -466,19 +504,33 @@ class MACEMethod(ErasureMethod):
     # ------------------------------------------------------------------ helpers
     @torch.no_grad()
     def _preserve_stats(self, pipe: Any, hp: dict[str, Any], domain: Domain | None, concepts: Sequence[str],
-                        layers: list) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Σ (W_old c) cᵀ and Σ c cᵀ over every token of the preserve prompts, per layer."""
-        pres = for_domain(hp["preserve_concepts"], domain, what="MACE preserve_concepts") or []
-        erased = {c.lower() for c in concepts}
-        pres = [pres] if isinstance(pres, str) else [p for p in pres if p.lower() not in erased]
-        if not pres or (hp["train_preserve_scale"] == 0 and hp["fuse_preserve_scale"] == 0):
-            return [(None, None)] * len(layers)
-        ctx = encode_text(pipe, pres).double().reshape(-1, layers[0].in_features)
+                        layers: list, templates: Sequence[str]) -> list[tuple[torch.Tensor | None, ...]]:
+        """Per layer ``(W P, P)`` with ``P = Σ c cᵀ`` over every token of the prior prompts
+        (rescaled to ``prior_prompt_count``) plus ``preserve_weight`` times that of the domain
+        cache's prompts (``preserve_concepts`` in ``templates``), or ``(None, None)`` when
+        nothing is preserved. ``Σ (W c) cᵀ = W P``: MACE's cached ``for_mat1`` / ``for_mat2``."""
+        none = [(None, None)] * len(layers)
+        if hp["train_preserve_scale"] == 0 and hp["fuse_preserve_scale"] == 0:
+            return none
+        total = None
+        prior = for_domain(hp["prior_prompts"], domain, what="MACE prior_prompts") or []
+        prior = [prior] if isinstance(prior, str) else list(prior)
+        if prior:
+            total = _token_gram(pipe, prior, layers[0].in_features)
+            if hp["prior_prompt_count"] is not None:
+                total *= hp["prior_prompt_count"] / len(prior)
+        names = expand_others(for_domain(hp["preserve_concepts"], domain, what="MACE preserve_concepts") or [],
+                              domain, concepts)
+        if names and hp["preserve_weight"] != 0:
+            gram = _token_gram(pipe, [t.format(n) for n in names for t in templates], layers[0].in_features)
+            total = hp["preserve_weight"] * gram if total is None else total + hp["preserve_weight"] * gram
+        if total is None:
+            return none
         out = []
         for lay in layers:
             w = lay.weight.detach().double()
-            c = ctx.to(w.device)
-            out.append(((c @ w.T).T @ c, c.T @ c))
+            p = total.to(w.device)
+            out.append((w @ p, p))
         return out
 
     def _masks(self, pipe: Any, latents: torch.Tensor, concept: str, prompt: str, hp: dict[str, Any],
@@ -496,6 +548,17 @@ class MACEMethod(ErasureMethod):
             raise ConfigError(f"MACE segmenter returned masks of shape {tuple(masks.shape)}; expected "
                               f"{(len(images), *images.shape[-2:])}")
         return F.interpolate(masks[:, None].float(), size=latents.shape[-2:], mode="nearest")[:, 0] > 0.5
+
+
+@torch.no_grad()
+def _token_gram(pipe: Any, prompts: Sequence[str], dim: int, chunk: int = 256) -> torch.Tensor:
+    """``Σ c cᵀ`` (float64, ``dim × dim``) over every token (padding included, as MACE's caches)
+    of the prompts' text-encoder outputs, in chunks."""
+    gram = torch.zeros(dim, dim, dtype=torch.float64)
+    for s in range(0, len(prompts), chunk):
+        c = encode_text(pipe, list(prompts[s : s + chunk])).double().reshape(-1, dim).cpu()
+        gram += c.T @ c
+    return gram
 
 
 def _closed_form_with_stats(weight: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lamb: float,

@@ -9,7 +9,7 @@
    ``mask_ratio`` fraction of UNet weights with the largest ``|Σ ∇ℓ_f|`` (ranked over the
    whole UNet) form the saliency mask.
 2. **Random-label unlearning restricted to the mask.** The forget images captioned with the
-   concept are fit to the model's own prediction for another concept of the domain (a random
+   concept are fit to the model's own prediction for another concept of the domain (the
    "pseudo" label), while the retain images keep the plain diffusion loss:
 
        L = |ε_θ(x_t, c) − sg(ε_θ(x_t, c_pseudo))|² + α |ε_θ(x_r,t, c_r) − ε|²
@@ -17,13 +17,17 @@
    and every gradient is multiplied by the mask before the Adam step, so only salient
    weights move.
 
-Defaults follow the repository (OPTML-Group/Unlearn-Saliency, ``SD/``: ``generate_mask.py``
-and ``random_label.py`` as its README runs them): mask ratio 0.5, guidance 7.5 for the mask,
-the whole UNet, Adam 1e-5, 5 epochs, batch 8, α = 0.5. Its forget set is a class's images
-(800 generated images for nudity); here ``num_images`` images are drawn by the model from
-the concept's prompts, and as many retain images from the domain's other concepts.
-(The repository's mask code keeps the ranks *below* the threshold, i.e. the least salient
-half; this follows the paper, the most salient.)
+Defaults follow the repository (OPTML-Group/Unlearn-Saliency @ a6e89fd, ``SD/``:
+``generate_mask.py``, then ``random_label.py`` as its README runs it for objects): mask ratio
+0.5 (the most salient half: ``generate_mask.py`` ranks ``−|g|`` ascending and keeps ranks below
+the threshold), guidance 7.5 for the mask, the whole UNet, Adam 1e-5, 5 epochs, batch 8,
+α = 0.5, and the fixed pseudo label of ``random_label.py`` — class ``(c + 1) mod 10``, here
+the concept after the erased one in the domain's order (``pseudo_label: next``). Nudity
+(``nsfw_removal.py`` as the README runs it: α 0.1, 1 epoch, "a person wearing clothes" as
+pseudo and retain label) is ``conf/preset/method_domain/salun_sd_nsfw.yaml``. The reference's
+forget set is a class's Imagenette images (800 generated images for nudity); here
+``num_images`` images are drawn by the model from the concept's prompts, and as many retain
+images from the retain concepts. Card: ``docs/protocols/methods/salun.md``.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ from emma.methods._common import (
     check_concepts,
     cpu_generator,
     diffusion_target,
+    domain_concept_names,
     domain_name,
     encode_text,
+    erased_spellings,
     expand_others,
     for_domain,
     fp32_training,
@@ -60,6 +66,25 @@ from emma.methods._common import (
 )
 
 PARAMETER_GROUPS = ("full", "xattn")
+PSEUDO_LABELS = ("next", "random")
+
+
+def next_concept(concept: str, pseudo: Sequence[str], domain: Domain | None) -> str:
+    """The fixed pseudo label of ``concept`` (``random_label.py``: class ``(c + 1) mod 10``): the
+    first of ``pseudo`` after ``concept`` in the domain's order, cyclically; ``pseudo[0]`` when
+    the domain does not list ``concept`` or none of its successors is a pseudo concept."""
+    if isinstance(domain, Domain):
+        order = domain_concept_names(domain)
+        low = [x.lower() for x in order]
+        spellings = erased_spellings([concept], domain)
+        at = next((i for i, x in enumerate(low) if x in spellings), None)
+        if at is not None:
+            allowed = {p.lower(): p for p in pseudo}
+            for step in range(1, len(order)):
+                name = low[(at + step) % len(order)]
+                if name in allowed:
+                    return allowed[name]
+    return pseudo[0]
 
 
 def salun_parameter_filter(group: str):
@@ -96,7 +121,11 @@ class SalUnMethod(ErasureMethod):
         prompt_templates: per domain, the caption template(s) with ``{}`` for the forget and
             retain images (a string or a list; the image's index picks the template).
         pseudo_concepts: per domain, the concepts whose prediction a forget image is fit to
-            (one drawn per image; ``"<others>"`` = the domain's other concepts).
+            (``"<others>"`` = the domain's other concepts).
+        pseudo_label: ``next`` (the reference, ``conf/method/salun.yaml``: one fixed label per
+            erased concept, the first pseudo concept after it in the domain's order, cyclically —
+            ``(c + 1) mod 10``; the first pseudo concept when the domain does not list the erased
+            one) or ``random`` (one pseudo concept drawn per image; the default here).
         retain_concepts: per domain, the concepts of the retain images (``"<others>"`` too).
         mask_ratio: fraction of UNet weights in the saliency mask.
         mask_guidance: ``g`` of the forgetting loss that defines saliency.
@@ -109,7 +138,7 @@ class SalUnMethod(ErasureMethod):
     """
 
     name = "salun"
-    version = "1"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
@@ -117,6 +146,7 @@ class SalUnMethod(ErasureMethod):
         prompt_templates: Any = "an image of a {}",
         pseudo_concepts: Any = "<others>",
         retain_concepts: Any = "<others>",
+        pseudo_label: str = "random",
         mask_ratio: float = 0.5,
         mask_guidance: float = 7.5,
         parameter_group: str = "full",
@@ -130,13 +160,15 @@ class SalUnMethod(ErasureMethod):
         progress: bool = True,
     ) -> None:
         salun_parameter_filter(parameter_group)
+        if pseudo_label not in PSEUDO_LABELS:
+            raise UnknownChoiceError("SalUn pseudo_label", str(pseudo_label), PSEUDO_LABELS)
         if not 0.0 < float(mask_ratio) <= 1.0:
             raise ConfigError(f"SalUn mask_ratio must be in (0, 1], got {mask_ratio}")
         if int(train_batch_size) < 1 or int(num_images) < 1 or int(epochs) < 0:
             raise ConfigError("SalUn needs train_batch_size >= 1, num_images >= 1 and epochs >= 0")
         super().__init__(
             prompt_templates=to_python(prompt_templates), pseudo_concepts=to_python(pseudo_concepts),
-            retain_concepts=to_python(retain_concepts), mask_ratio=float(mask_ratio),
+            retain_concepts=to_python(retain_concepts), pseudo_label=str(pseudo_label), mask_ratio=float(mask_ratio),
             mask_guidance=float(mask_guidance), parameter_group=parameter_group,
             learning_rate=float(learning_rate), epochs=int(epochs), train_batch_size=int(train_batch_size),
             alpha=float(alpha), num_images=int(num_images), sample_steps=int(sample_steps),
@@ -189,7 +221,13 @@ class SalUnMethod(ErasureMethod):
         retain = self._concept_list("retain_concepts", concepts, domain)
         n = hp["num_images"]
         forget_prompts = [templates[i % len(templates)].format(concepts[i % len(concepts)]) for i in range(n)]
-        pseudo_prompts = [templates[i % len(templates)].format(pseudo[randint(len(pseudo), gen)]) for i in range(n)]
+        if hp["pseudo_label"] == "next":
+            fixed = {c: next_concept(c, pseudo, domain) for c in concepts}
+            pseudo_prompts = [templates[i % len(templates)].format(fixed[concepts[i % len(concepts)]])
+                              for i in range(n)]
+        else:
+            pseudo_prompts = [templates[i % len(templates)].format(pseudo[randint(len(pseudo), gen)])
+                              for i in range(n)]
         retain_prompts = [templates[i % len(templates)].format(retain[randint(len(retain), gen)]) for i in range(n)]
         seeds = [randint(2**31 - 1, gen) for _ in range(2 * n)]
         sample = dict(num_inference_steps=hp["sample_steps"], guidance_scale=hp["sample_guidance"],

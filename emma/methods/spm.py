@@ -16,12 +16,21 @@ base model stays frozen. Per iteration (``train_spm.py`` of Con6924/SPM):
 Defaults are the repository's (``configs/*/config.yaml``, ``prompt.yaml``): rank 1, α 1,
 3000 iterations, lr 1e-4 with cosine-with-restarts (500 warm-up steps, 3 cycles), 30
 denoising steps, guidance 1, anchoring strength 1000 with 4 anchors. (The repository's
-8-bit AdamW is plain AdamW here; its inference-time "facilitated transport", which rescales
-the membrane per prompt, is not part of this method: the adapter acts at full strength.)
+8-bit AdamW is plain AdamW here.)
 
-The trained adapters are fused into the UNet (what the erase cache stores), and kept on
-their own: :meth:`SPMMethod.save_adapter` writes them to one safetensors file that
-:func:`load_spm_adapter` fuses into any base pipeline of the same architecture.
+**Facilitated Transport** (``infer_spm.py``; ``facilitated_transport: true``): at sampling
+time each membrane acts with the strength of the prompt's match with its concept — the larger
+of the cosine similarity of the two prompts' text-encoder outputs and the share of the
+concept's tokens the prompt contains (``matching_metric: clipcos_tokenuni``) — so prompts
+unrelated to the concept are drawn by an almost untouched model.
+:meth:`SPMMethod.inference_guidance` returns a :class:`FacilitatedTransport` that sets the
+UNet's weights per prompt and draws with the pipeline. Without it the membranes act at full
+strength on every prompt.
+
+The trained adapters are fused into the UNet at full strength (what the erase cache stores),
+and kept on their own: :meth:`SPMMethod.save_adapter` writes them to one safetensors file that
+:func:`load_spm_adapter` fuses into any base pipeline of the same architecture (the erase
+cache keeps it too, for Facilitated Transport after a cached erasure).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from emma.api.domain import Domain
+from emma.api.guidance import InferenceGuidance
 from emma.api.method import ErasureMethod
 from emma.config import to_python
 from emma.errors import ConfigError
@@ -182,6 +192,103 @@ def _adapters_from_tensors(tensors: dict[str, torch.Tensor], info: dict[str, Any
     return out
 
 
+MATCHING_METRICS = ("clipcos_tokenuni", "clipcos", "tokenuni")
+
+
+@torch.no_grad()
+def matching_scores(pipe: Any, concepts: Sequence[str], metric: str, *, prompts: Sequence[str] | None = None,
+                    prompt_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """``(N, len(concepts))`` matching scores of ``infer_spm.py``: per prompt and concept, the
+    larger of ``clipcos`` (cosine similarity of the flattened text-encoder outputs) and
+    ``tokenuni`` (the share of the concept's tokens, special tokens left out, that the prompt
+    contains). Given only ``prompt_embeds`` (no text), ``tokenuni`` cannot be computed and
+    ``clipcos`` alone is used."""
+    if metric not in MATCHING_METRICS:
+        raise ConfigError(f"SPM matching_metric {metric!r}: use one of {', '.join(MATCHING_METRICS)}")
+    tok = pipe.tokenizer
+    if prompt_embeds is None:
+        prompt_embeds = encode_text(pipe, list(prompts or []))
+    concept_embeds = encode_text(pipe, list(concepts)).to(prompt_embeds.device, prompt_embeds.dtype)
+    scores = []
+    if "clipcos" in metric or prompts is None:
+        scores.append(F.cosine_similarity(prompt_embeds.flatten(1)[:, None].float(),
+                                          concept_embeds.flatten(1)[None].float(), dim=-1).cpu())
+    if "tokenuni" in metric and prompts is not None:
+        special = {t for t in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id)
+                   if t is not None}
+        def ids(text: str) -> set[int]:
+            return set(tok(text, padding="max_length", max_length=tok.model_max_length, truncation=True)
+                       .input_ids) - special
+        want = [ids(c) for c in concepts]
+        scores.append(torch.tensor([[len(ids(p) & w) / max(len(w), 1) for w in want] for p in prompts]))
+    return torch.stack(scores).max(0).values
+
+
+class FacilitatedTransport(InferenceGuidance):
+    """SPM's Facilitated Transport: each image is drawn with every membrane at the strength of
+    its prompt's matching score (:func:`matching_scores`) instead of full strength.
+
+    The pipeline's UNet holds the membranes fused at full strength (the erased model); for a
+    group of prompts with the same scores the adapted layers are set to ``W + Σ_j (m_j − 1) ΔW_j``,
+    the pipeline draws, and the weights are put back exactly (from a copy)."""
+
+    name = "spm_facilitated_transport"
+    version = "1"
+
+    def __init__(self, adapters: Sequence[SPMAdapter], concepts: Sequence[str], metric: str) -> None:
+        if len(adapters) != len(concepts) or not adapters:
+            raise ConfigError("Facilitated Transport needs one SPM adapter per erased concept")
+        if metric not in MATCHING_METRICS:
+            raise ConfigError(f"SPM matching_metric {metric!r}: use one of {', '.join(MATCHING_METRICS)}")
+        self.adapters, self.concepts, self.metric = list(adapters), list(concepts), metric
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "matching_metric": self.metric,
+                "concepts": self.concepts}
+
+    def multipliers(self, pipe: Any, prompts: Sequence[str] | None = None,
+                    prompt_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``(N, n_membranes)``: each membrane's strength for each prompt."""
+        return matching_scores(pipe, self.concepts, self.metric, prompts=prompts, prompt_embeds=prompt_embeds)
+
+    @torch.no_grad()
+    def sample(self, pipe: Any, *, prompt: list[str] | None = None, prompt_embeds: torch.Tensor | None = None,
+               negative_prompt: list[str] | None = None, negative_prompt_embeds: torch.Tensor | None = None,
+               generator: list[torch.Generator], num_inference_steps: int, guidance_scale: float,
+               height: int, width: int) -> torch.Tensor:
+        mult = self.multipliers(pipe, prompt, prompt_embeds)
+        groups: dict[tuple[float, ...], list[int]] = {}
+        for i, row in enumerate(mult.tolist()):
+            groups.setdefault(tuple(row), []).append(i)
+        targets = spm_target_modules(pipe.unet)
+        names = self.adapters[0].names
+        originals = {n: targets[n].weight.detach().clone() for n in names}
+        out = torch.empty(len(mult), 3, height, width)
+        try:
+            for row, idx in groups.items():
+                for li, n in enumerate(names):
+                    w = originals[n].float()
+                    for ad, m in zip(self.adapters, row, strict=True):
+                        w = w + (m - 1.0) * ad.delta(li).to(w.device, torch.float32)
+                    targets[n].weight.copy_(w.to(targets[n].weight.dtype))
+                kwargs: dict[str, Any] = dict(generator=[generator[i] for i in idx], output_type="pt",
+                                              num_inference_steps=num_inference_steps,
+                                              guidance_scale=guidance_scale, height=height, width=width)
+                if prompt_embeds is not None:
+                    kwargs["prompt_embeds"] = prompt_embeds[idx]
+                else:
+                    kwargs["prompt"] = [prompt[i] for i in idx]
+                if negative_prompt_embeds is not None:
+                    kwargs["negative_prompt_embeds"] = negative_prompt_embeds[idx]
+                elif negative_prompt is not None:
+                    kwargs["negative_prompt"] = [negative_prompt[i] for i in idx]
+                out[idx] = pipe(**kwargs).images.float().cpu()
+        finally:
+            for n in names:
+                targets[n].weight.copy_(originals[n])
+        return out
+
+
 class SPMMethod(ErasureMethod):
     """SPM: a rank-1 membrane per concept, trained with latent anchoring, fused into the UNet.
 
@@ -196,11 +303,14 @@ class SPMMethod(ErasureMethod):
         la_strength: weight of the latent-anchoring loss (0 = plain erasure).
         sampling_batch_size: random anchors per iteration.
         neutral_concepts: per domain, the neutral prompt of the erasure target (``""`` in SPM).
+        facilitated_transport: scale each membrane per prompt by its matching score at sampling
+            time (the reference's inference); ``False``: full strength on every prompt.
+        matching_metric: the score (:data:`MATCHING_METRICS`; the reference's ``clipcos_tokenuni``).
         progress: show a progress bar (not a hyper-parameter).
     """
 
     name = "spm"
-    version = "1"
+    version = "2"
     edited_components = ("unet",)
 
     def __init__(
@@ -217,8 +327,12 @@ class SPMMethod(ErasureMethod):
         la_strength: float = 1000.0,
         sampling_batch_size: int = 4,
         neutral_concepts: Any = "",
+        facilitated_transport: bool = False,
+        matching_metric: str = "clipcos_tokenuni",
         progress: bool = True,
     ) -> None:
+        if matching_metric not in MATCHING_METRICS:
+            raise ConfigError(f"SPM matching_metric {matching_metric!r}: use one of {', '.join(MATCHING_METRICS)}")
         if int(rank) < 1 or int(iterations) < 0 or int(max_denoising_steps) < 2:
             raise ConfigError(f"SPM needs rank >= 1, iterations >= 0 and max_denoising_steps >= 2; got "
                               f"{rank}, {iterations}, {max_denoising_steps}")
@@ -228,6 +342,7 @@ class SPMMethod(ErasureMethod):
             max_denoising_steps=int(max_denoising_steps), start_guidance=float(start_guidance),
             guidance_scale=float(guidance_scale), la_strength=float(la_strength),
             sampling_batch_size=int(sampling_batch_size), neutral_concepts=to_python(neutral_concepts),
+            facilitated_transport=bool(facilitated_transport), matching_metric=str(matching_metric),
         )
         self.progress = bool(progress)
         self.adapters: list[SPMAdapter] = []
@@ -301,6 +416,34 @@ class SPMMethod(ErasureMethod):
             fuse_adapter(unet, adapter)
         self.adapters, self.concepts = adapters, list(concepts)
         return pipe
+
+    def inference_guidance(self, pipe: Any, concepts: Sequence[str], *,
+                           domain: Domain | None = None) -> InferenceGuidance | None:
+        """:class:`FacilitatedTransport` over the membranes of the last erase (or of the cached
+        erasure, :meth:`load_state`) when ``facilitated_transport``; else ``None``."""
+        if not self.hparams["facilitated_transport"]:
+            return None
+        if not self.adapters or list(concepts) != self.concepts:
+            raise ConfigError(f"SPM Facilitated Transport needs the membranes of {list(concepts)}; this method "
+                              f"holds those of {self.concepts or 'none'} (erase first, or load a cached erasure)")
+        return FacilitatedTransport(self.adapters, self.concepts, self.hparams["matching_metric"])
+
+    def save_state(self, folder: Path) -> None:
+        """The membranes (for Facilitated Transport after a cached erasure)."""
+        if self.adapters:
+            self.save_adapter(folder)
+
+    def load_state(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        path = Path(folder) / ADAPTER_FILE
+        if not path.exists():
+            return
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("spm", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        self.adapters = _adapters_from_tensors(tensors, info)
+        self.concepts = list(info.get("concepts", []))
 
     @staticmethod
     def _anchors(cond: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:

@@ -11,9 +11,11 @@ the paper's code (rohitgandikota/unified-concept-editing, ``train_erase.py``) an
 uses the tokens from the concept's last word token to the end of the context, aligned with
 those of the guide; a preserve prompt uses all tokens; the empty prompt is always
 preserved. Defaults: λ = 0.5, erase scale 1, preserve scale ``max(0.1, 1/len(preserve))``,
-keys and values edited, ``replace`` technique. Guide concepts per domain follow EMMA:
-objects → a generic concept (COCO super-category), celebrities → "a celebrity", styles →
-"art", NSFW → "" and logos → "logo".
+keys and values edited, ``replace`` technique. Guide and preserved concepts per domain are
+the paper's (``conf/method/uce.yaml``, card ``docs/protocols/methods/uce.md``): objects and
+nudity → the unconditional prompt, styles → "art" preserving every other artist of UCE's
+1,734-artist list (``"<data:artists1734>"``); celebrities → "a celebrity" and logos →
+"logo" (EMMA's guides; the paper has no such runs).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from emma.errors import ConfigError, UnknownChoiceError
 from emma.methods._common import (
     attn2_modules,
     check_concepts,
+    expand_others,
     for_concept,
     for_domain,
     is_style_domain,
@@ -138,12 +141,10 @@ class UCEMethod(ErasureMethod):
         return pairs
 
     def preserve_prompts(self, concepts: Sequence[str], domain: Domain | None) -> list[str]:
-        """The empty prompt plus the domain's preserve concepts (never an erased concept)."""
+        """The empty prompt plus the domain's preserve concepts (never an erased concept, in
+        any spelling the domain knows; ``"<others>"`` and ``"<data:NAME>"`` expanded)."""
         pres = for_domain(self.hparams["preserve_concepts"], domain, what="UCE preserve_concepts") or []
-        if isinstance(pres, str):
-            pres = [pres]
-        low = {c.lower() for c in concepts}
-        return [""] + [p for p in pres if p.lower() not in low and p != ""]
+        return [""] + [p for p in expand_others(pres, domain, concepts) if p != ""]
 
     # ------------------------------------------------------------------ erase
     @torch.no_grad()
@@ -185,11 +186,16 @@ class UCEMethod(ErasureMethod):
         return pipe
 
     @staticmethod
-    def _embed(pipe: Any, prompts: Sequence[str]) -> torch.Tensor:
+    def _embed(pipe: Any, prompts: Sequence[str], chunk: int = 256) -> torch.Tensor:
+        """Text-encoder outputs of ``prompts`` in float64, in chunks (a style's 1,733 preserved
+        artists are one list)."""
         tok = pipe.tokenizer
-        ids = tok(list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True,
-                  return_tensors="pt").input_ids
-        return pipe.text_encoder(ids.to(pipe.text_encoder.device))[0].double()
+        out = []
+        for s in range(0, len(prompts), chunk):
+            ids = tok(list(prompts[s : s + chunk]), padding="max_length", max_length=tok.model_max_length,
+                      truncation=True, return_tensors="pt").input_ids
+            out.append(pipe.text_encoder(ids.to(pipe.text_encoder.device))[0].double())
+        return torch.cat(out)
 
     @classmethod
     def _aligned_tokens(cls, pipe: Any, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,6 +132,10 @@ def build_components(ctx: CellContext) -> None:
     ctx.concept = domain.concept(domain.default_concept if cfg.concept is None else cfg.concept).name
     ctx.judges = Judges(cfg, domain, ctx.cache_root)
     ctx.method = hydra.utils.instantiate(cfg.method, _convert_="all")
+    # Reference data the method names for this domain (``<data:NAME>``): fetched, or refused
+    # offline here, with the command that fetches it, before any weight is loaded.
+    from emma.methods.reference_data import check_available
+    check_available(ctx.method.config(), domain.name)
     ctx.attacker = hydra.utils.instantiate(cfg.attacker, _convert_="all")
     ctx.protocol = resolve_protocol(cfg.get("protocol"), ctx.attacker.name)
     ctx.requests = domain.requests(ctx.concept, seed=ctx.seed, images_per_prompt=cfg.images_per_prompt,
