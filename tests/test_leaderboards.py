@@ -97,10 +97,12 @@ def test_leaderboard_rows_failed_cells_and_incremental_rebuild(sweep, tmp_path):
     ra = res["metrics"]["ra/random"]
     assert f"{ra['value']:.3f} [{ra['ci_low']:.3f}, {ra['ci_high']:.3f}]" in md
     csv = (tmp_path / "board" / "tinyworld_methods.csv").read_text().splitlines()
-    assert csv[0].startswith("model,method,concept,attacker,n_seeds,ea/name,ea/name_ci_low")
+    assert csv[0].startswith("model,method,concept,attacker,n_seeds,ea,ea_ci_low,ea_ci_high,ea_n,"
+                             "ea/name,ea/name_ci_low")
     html = (tmp_path / "board" / "index.html").read_text()
     assert "Failed cells" in html and MISSING_WEIGHTS in html
-    assert html.count("data:image/png;base64,") == res["counts"]["evidence_images"] + 2  # + 2 plots
+    # the evidence images (method none: no base-model twins) + the EA-vs-RA plot (the ASR map is a table)
+    assert html.count("data:image/png;base64,") == res["counts"]["evidence_images"] + 1
     assert (tmp_path / "board" / "plots" / "tinyworld_ea_vs_ra.png").stat().st_size > 1000
 
     again = build([root / "sweep"], tmp_path / "board")
@@ -184,7 +186,7 @@ def test_unknown_schema_version_is_a_clear_error(sweep, tmp_path, capsys):
     _copy_cell(cell, tmp_path / "future", lambda d: d.update(schema_version=7))
     assert main([str(tmp_path / "future"), "--out", str(tmp_path / "board")]) == 2
     err = capsys.readouterr().err
-    assert "schema_version 7 is unknown; this harness reads schema versions 1, 2 " in err
+    assert "schema_version 7 is unknown; this harness reads schema versions 1, 2, 3 " in err
     assert (cell / "results.json").exists()
 
 
@@ -253,7 +255,7 @@ def test_an_unknown_schema_version_fails_in_both_readers_naming_the_valid_ones(t
 
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"schema_version": 99, "cell": {}, "metrics": {}, "versions": {}}))
-    expected = f"{path}: schema_version 99 is unknown; this harness reads schema versions 1, 2 "
+    expected = f"{path}: schema_version 99 is unknown; this harness reads schema versions 1, 2, 3 "
     with pytest.raises(ResultsFileError) as harness:
         CellResult.load(path)
     with pytest.raises(LeaderboardError) as board:
