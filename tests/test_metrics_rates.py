@@ -171,3 +171,30 @@ def test_bootstrap_ci_is_seeded_percentile():
     rng = np.random.default_rng(7)
     reps = x[rng.integers(0, 50, size=(1000, 50))].mean(axis=1)
     assert bootstrap_ci(x, seed=7) == pytest.approx(tuple(np.quantile(reps, [0.025, 0.975])))
+
+
+def test_the_coverage_table_in_the_docs_is_the_scripts_output(capsys):
+    """docs/metrics.md holds the output of scripts/interval_coverage.py: the same columns, at
+    least 1,000 simulated cells per setting, rates near 0, near 1 and between, few and many
+    prompts; the chosen interval covers at least 90% with 10 or more prompts (docs/metrics.md
+    discusses the settings below 93%)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("interval_coverage", root / "scripts" / "interval_coverage.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--cells", "40", "--prompts", "3", "--rho", "0.3", "--rates", "0.5"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    doc = (root / "docs" / "metrics.md").read_text(encoding="utf-8").splitlines()
+    start = doc.index(header)
+    rows = [line.split(" | ") for line in doc[start + 2:] if line.startswith("| ")]
+    rows = rows[:next((i for i, r in enumerate(rows) if len(r) != len(header.split(" | "))), len(rows))]
+    assert "1000 simulated cells per setting" in "\n".join(doc[start:start + len(rows) + 6])
+    k = [int(r[0].strip("| ")) for r in rows]
+    p = [float(r[2]) for r in rows]
+    assert min(k) <= 3 and max(k) >= 30 and min(p) <= 0.02 and max(p) >= 0.98 and 0.5 in p
+    chosen = [float(r[3]) for r in rows]
+    assert all(c >= 90.0 for c, kk in zip(chosen, k) if kk >= 10)
+    assert sum(c < 93.0 for c, kk in zip(chosen, k) if kk >= 10) <= 2
