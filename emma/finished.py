@@ -363,14 +363,6 @@ def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Pa
 
 def describe_json(data: dict[str, Any]) -> str:
     """The summary a run prints, from a results.json dict (no torch import)."""
-    c = data["cell"]
-    rows = [f"cell: model={c['model']} method={c['method']} domain={c['domain']} concept={c['concept']} "
-            f"attacker={c['attacker']} classifier={c['classifier']}",
-            f"{'metric':<44}{'value':>10}{'95% CI':>22}{'n':>8}{'clusters':>10}"]
-    for k, v in sorted(data["metrics"].items()):
-        ci = f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]" if v.get("ci_low") is not None else ""
-        value = v["value"] if v["value"] is not None else float("nan")
-        rows.append(f"{k:<44}{value:>10.4f}{ci:>22}{v['n']:>8}{v.get('n_clusters') or '':>10}")
-    rows.append(", ".join(f"{k}={v}" for k, v in data["counts"].items()))
-    rows += [f"NOTE: {n}" for n in data.get("notes", [])]
-    return "\n".join(rows)
+    from emma.results import summary_text
+
+    return summary_text(data)

@@ -367,3 +367,52 @@ def load_frame(*paths: str | Path) -> Any:
         files += [p] if p.is_file() else sorted(q for q in p.rglob("results.json") if ".submitit" not in q.parts)
     rows = [{**r, "path": str(f.parent)} for f in files for r in metric_table_rows(read_results_json(f))]
     return pd.DataFrame(rows, columns=[*METRIC_TABLE_FIELDS, "path"])
+
+
+def summary_text(data: dict[str, Any], width: int = 110) -> str:
+    """What a run prints about its cell (from a results.json dict): its coordinates, a table of
+    the metrics (value, 95% interval, n, prompts or batches, direction; drawn with ``rich``),
+    the counts and the notes. Plain text, so that ``run.log`` holds it as the console shows it."""
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    c = data["cell"]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name, justify in (("metric", "left"), ("value", "right"), ("95% CI", "right"), ("n", "right"),
+                          ("prompts/batches", "right"), ("", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for key, m in sorted(data["metrics"].items()):
+        v, lo, hi = m.get("value"), m.get("ci_low"), m.get("ci_high")
+        shown = "null" if v is None else f"{v:.4f}"
+        ci = f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None and lo == lo and hi == hi else ""
+        arrow = {True: "↑", False: "↓"}.get(higher_is_better(key), "")
+        table.add_row(key, shown, ci, str(m.get("n", "")), str(m.get("n_clusters") or ""), arrow)
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, highlight=False)
+    console.print(table)
+    rows = [f"cell: model={c['model']} method={c['method']} domain={c['domain']} concept={c['concept']} "
+            f"attacker={c['attacker']} classifier={c['classifier']}",
+            console.file.getvalue().rstrip(),  # type: ignore[attr-defined]
+            ", ".join(f"{k}={v}" for k, v in (data.get("counts") or {}).items())]
+    rows += [f"NOTE: {n}" for n in data.get("notes", [])]
+    return "\n".join(rows)
+
+
+def load_samples(*paths: str | Path, cache_dir: str | Path | None = None) -> Any:
+    """Every judged image of the cells under ``paths`` (folders searched for ``samples.jsonl``,
+    or the files) as one ``datasets.Dataset`` with the columns of :data:`SAMPLE_FIELDS`
+    (``datasets.load_dataset("json", data_files=...)``; the schema is stated, so a sweep whose
+    cells add nothing to a column still loads)."""
+    import datasets
+
+    files = []
+    for p in map(Path, paths):
+        files += [p] if p.is_file() else sorted(q for q in p.rglob("samples.jsonl") if ".submitit" not in q.parts)
+    if not files:
+        raise ResultsFileError(f"no samples.jsonl under {', '.join(map(str, paths))}")
+    kinds = {str: "string", int: "int64", float: "float64", bool: "bool"}
+    features = datasets.Features({k: datasets.Value(kinds[kind]) for k, (kind, _) in SAMPLE_FIELDS.items()})
+    return datasets.load_dataset("json", data_files=[str(f) for f in files], split="train", features=features,
+                                 cache_dir=None if cache_dir is None else str(cache_dir))

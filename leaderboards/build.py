@@ -282,5 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return exit_codes.OK
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``emma-leaderboard`` command."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -235,7 +235,7 @@ def test_a_sweep_loads_in_one_line_with_pandas_and_datasets(readme_sweep, tmp_pa
     import datasets
     import pandas as pd
 
-    from emma.results import SAMPLE_FIELDS, load_frame
+    from emma.results import SAMPLE_FIELDS, load_frame, load_samples
 
     names = [p.name for p in readme_sweep.iterdir() if p.is_dir()]
     assert names and not any(ch in n for n in names for ch in "[]{}*? '\"")
@@ -250,6 +250,8 @@ def test_a_sweep_loads_in_one_line_with_pandas_and_datasets(readme_sweep, tmp_pa
     lines = [json.loads(x) for p in readme_sweep.glob("*/samples.jsonl") for x in p.read_text().splitlines()]
     assert ds.num_rows == len(lines) > 0 and list(ds.column_names) == list(SAMPLE_FIELDS)
     assert set(ds["method"]) == {"none", "uce"} and set(ds["group"]) >= {"ea", "attack"}
+    typed = load_samples(readme_sweep, cache_dir=tmp_path / "hf2")  # the same, its schema stated
+    assert typed.num_rows == ds.num_rows and typed.features["score"].dtype == "float64"
     exported = [(p.parent / r["image"]) for p in readme_sweep.glob("*/samples.jsonl")
                 for r in map(json.loads, p.read_text().splitlines()) if r["image"]]
     assert exported and all(path.is_file() for path in exported)  # the image beside its row

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 #: libraries whose versions can move a number (the generator, the judges, FID's matrix square
 #: root, the intervals' optimisers and bootstraps), recorded in ``versions.libraries``
 LIBRARIES = ("torch", "torchvision", "diffusers", "transformers", "numpy", "scipy", "clean-fid",
-             "scikit-image", "open-clip-torch", "pillow")
+             "open-clip-torch", "pillow")
 
 
 def _git(*args: str) -> str | None:
