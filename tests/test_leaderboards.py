@@ -50,6 +50,32 @@ def test_a_crashing_cell_does_not_stop_the_sweep_and_is_reported(sweep):
     assert "WeightsUnavailableError" in err["error"] and MISSING_WEIGHTS in err["error"]
 
 
+def test_a_resumed_sweep_submits_no_job_for_a_finished_cell(sweep, tmp_path):
+    """The same sweep again into a copy of its folder: the finished cell is kept without a job
+    (no new submitit folder for it), the failed one runs again; progress is printed as it goes."""
+    root, first = sweep
+    again = tmp_path / "sweep"
+    shutil.copytree(root / "sweep", again)
+    before = {p.name for p in (again / ".submitit").iterdir()}
+    cells = [c for c in CELL if not c.startswith("classifier.weights=")]
+    proc = subprocess.run([sys.executable, "-m", "emma.run", "-m", "hydra/launcher=local", *cells, "logger=wandb",
+                           f"classifier.weights=null,{MISSING_WEIGHTS}", f"hydra.sweep.dir={again}"],
+                          cwd=ROOT, env=run_env(root / "cache", WANDB_MODE="offline"), capture_output=True,
+                          text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log[-3000:]  # the failing cell still fails
+    report = json.loads((again / "sweep_report.json").read_text())
+    kept, rerun = report["cells"]
+    assert kept["kept"] is True and kept["job_id"] is None and kept["status"] == "completed"
+    assert rerun["status"] == "failed" and rerun["job_id"]
+    new = {p.name for p in (again / ".submitit").iterdir()} - before
+    assert new == {str(rerun["job_id"])}  # one job: the unfinished cell's
+    assert "(finished: " in log and "no job)" in log
+    assert "sweep: 1 done (1 kept), " in log and ", 1 failed" in log
+    first_log = first.stdout + first.stderr
+    assert "sweep: 0 done, " in first_log and "sweep: 1 done, 0 running, 0 waiting, 1 failed" in first_log
+
+
 def _wandb_files(run_dir: Path) -> dict[str, Path]:
     return {p.relative_to(run_dir).as_posix(): p for p in run_dir.rglob("*") if p.is_file()}
 
