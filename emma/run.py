@@ -97,7 +97,11 @@ def claim_run_dir(out: str | Path, cell: str) -> Iterator[None]:
     into the same directory is refused instead of mixing its images and results into this
     one's. The lock is an exclusive ``flock``: the kernel releases it when its process ends,
     however it ends, so a lock file left by a dead process is simply taken over. The file
-    holds the holder's pid, host and overrides for the refusal's message."""
+    holds the holder's pid, host and overrides for the refusal's message.
+
+    Not ``filelock``: its Unix lock truncates the lock file when a contender opens it (3.x),
+    so the refusal could not name the cell that holds the folder, and it leaves the file in
+    the run directory when released; this lock is the same ``flock`` with both kept."""
     import fcntl
     import socket
 

@@ -194,7 +194,7 @@ def method_config(data: dict[str, Any]) -> str:
 #: top-level config keys that do not set a cell's numbers beyond what the coordinates and
 #: the component signatures hold (or that say where things are, not what was measured)
 NOT_SETTINGS = {"concept", "seed", "paths", "logger", "overwrite", "experiment", "threads", "hydra", "method",
-                "attacker", "classifier", "domain", "llm"}
+                "attacker", "classifier", "domain", "llm", "evidence_images"}
 #: model keys that the base fingerprint covers, or that do not change what is drawn
 NOT_MODEL_SETTINGS = {"name", "kind", "pretrained", "revision", "variant", "device", "batch_size", "init_seed"}
 

@@ -263,6 +263,10 @@ def evidence_problem(cell: Cell) -> str | None:
     return f"{cell.path / EVIDENCE_DIR}: {gone} image file(s) of the evidence index are missing" if gone else None
 
 
+#: evidence images per cell on the page (a cell run with ``evidence_images=null`` exports all)
+PAGE_EVIDENCE = 24
+
+
 def _evidence(cell: Cell) -> dict[str, Any]:
     """One cell's evidence for the page: its heading (coordinates only, never a build path)
     and each image with the base model's twin where stored."""
@@ -276,7 +280,7 @@ def _evidence(cell: Cell) -> dict[str, Any]:
                          + ([cell.variant] if cell.variant else []))
     hits = sum(1 for e in items if e["detected"])
     out = []
-    for e in items:
+    for e in items[:PAGE_EVIDENCE]:
         base = e.get("base_file")
         base_ok = isinstance(base, str) and base == Path(base).name and (folder / base).is_file()
         out.append({"src": _data_uri(folder / e["file"]), "base": _data_uri(folder / base) if base_ok else "",
@@ -285,6 +289,8 @@ def _evidence(cell: Cell) -> dict[str, Any]:
                     "score": float(e["score"]), "prompt": e["prompt"], "seed": e["seed"], "group": e["group"],
                     "kind": e["kind"]})
     summary_text = (f"{len(items)} image(s), the concept found in {hits}" if items else "no images")
+    if len(items) > PAGE_EVIDENCE:
+        summary_text += f"; the first {PAGE_EVIDENCE} shown, every one is in {EVIDENCE_DIR}/ of the cell"
     return {"anchor": cell.anchor, "heading": heading, "summary": summary_text, "images": out,
             "model_label": f"{cell.label or cell.method} model"}
 

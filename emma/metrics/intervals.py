@@ -22,13 +22,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from functools import lru_cache
+from statistics import NormalDist
 
 import numpy as np
-from scipy.optimize import brentq, minimize_scalar
-from scipy.special import betaln, xlog1py, xlogy
-from scipy.stats import chi2, norm
 
 from emma.metrics.base import MetricValue
+
+# scipy (special functions, optimisers) is imported where an interval is computed: a cell
+# imports this module long before it has a rate to bound, and scipy.stats alone costs seconds
 
 MIN_CLUSTERS = 2
 WILSON = "wilson"
@@ -54,7 +55,7 @@ def wilson_interval(k: float, n: int, confidence: float = 0.95) -> tuple[float, 
         return (float("nan"), float("nan"))
     if not 0 <= k <= n:
         raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-    z = float(norm.ppf(1 - (1 - confidence) / 2))
+    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
     p = k / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
@@ -66,6 +67,8 @@ def _profiles(ps: np.ndarray, s: np.ndarray, f: np.ndarray, w: np.ndarray) -> np
     """The beta-binomial log-likelihood at each mean rate of ``ps`` of clusters with
     successes ``s`` and failures ``f`` (``w`` clusters of each kind), maximised over
     :data:`RHO_GRID` (binomial coefficients dropped: they depend on neither ``p`` nor ``rho``)."""
+    from scipy.special import betaln, xlog1py, xlogy
+
     ps = np.atleast_1d(np.asarray(ps, dtype=float))
     out = np.empty(len(ps))
     inner = (ps > 0) & (ps < 1)
@@ -82,6 +85,8 @@ def _profiles(ps: np.ndarray, s: np.ndarray, f: np.ndarray, w: np.ndarray) -> np
 
 @lru_cache(maxsize=4096)
 def _beta_binomial_bounds(counts: tuple[tuple[int, int, int], ...], confidence: float) -> tuple[float, float]:
+    from scipy.optimize import brentq, minimize_scalar
+
     s, f, w = (np.array([c[i] for c in counts], dtype=float) for i in range(3))
     n = float(np.sum(w * (s + f)))
 
@@ -97,7 +102,7 @@ def _beta_binomial_bounds(counts: tuple[tuple[int, int, int], ...], confidence: 
                               method="bounded", options={"xatol": 1e-10})
         if -res.fun > top:
             top, p_top = float(-res.fun), float(res.x)
-    cut = top - chi2.ppf(confidence, 1) / 2.0
+    cut = top - NormalDist().inv_cdf((1 + confidence) / 2) ** 2 / 2.0  # chi2_1 quantile = z^2
 
     def bound(idx: np.ndarray) -> float:
         # the first grid rate, walking away from the maximum, whose profile drops below the

@@ -258,7 +258,9 @@ def record(ctx: CellContext) -> None:
     attacked = [dataclasses.replace(s, group="attack") for o in outputs for s in o.samples]
     # the base model's twin of an evidence image only where the cell's model differs from it
     erased = ctx.erased is not None and (ctx.erased.fingerprint != ctx.base_fingerprint or ctx.guidance is not None)
-    exported = write_evidence(ctx.generator, ctx.samples + attacked, out, base=ctx.base_model if erased else None)
+    limit = ctx.cfg.get("evidence_images", 16)
+    exported = write_evidence(ctx.generator, ctx.samples + attacked, out, limit=None if limit is None else int(limit),
+                              base=ctx.base_model if erased else None)
     cell_counts = counts(ctx)
     cell_counts["evidence_images"] = len(exported)
     protocol = protocol_record(ctx)
