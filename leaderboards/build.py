@@ -67,7 +67,7 @@ from leaderboards.tables import Table, build_tables
 
 STATE = ".build_state.json"
 FORMAT = 3  # bump when the outputs change for the same inputs
-PLOTS = 2  # bump when a plot is drawn differently from the same data
+PLOTS = 3  # bump when a plot is drawn differently from the same data
 
 
 @dataclasses.dataclass
@@ -124,7 +124,7 @@ def build(runs: Sequence[str | Path], out: str | Path, *, split_versions: bool =
         if not isinstance(state, dict):
             state = {}
     stamps = {str(p): _stamp(p) for p in results + errors}
-    digest = stable_hash({"format": FORMAT, "stamps": stamps, "split": split_versions,
+    digest = stable_hash({"format": FORMAT, "plots": PLOTS, "stamps": stamps, "split": split_versions,
                           "missing": [(str(m.path), m.reason) for m in missing]})
     cached_cells = state.get("cells", {}) if state.get("format") == FORMAT else {}
 

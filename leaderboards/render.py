@@ -101,6 +101,7 @@ def plot_tradeoff(main: Table, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7.0, 5.0), dpi=110)
     cmap, markers = plt.get_cmap("tab10"), "osD^vP*Xh<>p"
     label_points = len(pts) <= 24
+    placed: dict[tuple[float, float], int] = {}
     for i, method in enumerate(methods):
         mine = [p for p in pts if p[0] == method]
         xs, ys = [p[2][0] for p in mine], [p[3][0] for p in mine]
@@ -111,8 +112,14 @@ def plot_tradeoff(main: Table, path: Path) -> bool:
                     alpha=0.9, label=method)
         if label_points:
             for x, y, p in zip(xs, ys, mine):
-                ax.annotate(f"{method} · {p[1]}", (x, y), xytext=(5, 4), textcoords="offset points", fontsize=7,
-                            color=cmap(i % 10))
+                # labels of points at one place are stacked, not drawn over each other
+                spot = (round(x, 2), round(y, 2))
+                row = placed.get(spot, 0)
+                placed[spot] = row + 1
+                right = x < 0.75  # near the right edge the label goes to the left of its point
+                ax.annotate(f"{method} · {p[1]}", (x, y), xytext=(6 if right else -6, 4 - 10 * row),
+                            textcoords="offset points", fontsize=7, color=cmap(i % 10),
+                            ha="left" if right else "right")
     ax.set_xlabel("RA ↑ (retaining ability, every prompt type)")
     ax.set_ylabel("EA ↑ (erasing ability, every prompt type)")
     ax.set_xlim(-0.06, 1.12)
@@ -292,7 +299,7 @@ def _evidence(cell: Cell) -> dict[str, Any]:
     if len(items) > PAGE_EVIDENCE:
         summary_text += f"; the first {PAGE_EVIDENCE} shown, every one is in {EVIDENCE_DIR}/ of the cell"
     return {"anchor": cell.anchor, "heading": heading, "summary": summary_text, "images": out,
-            "model_label": f"{cell.label or cell.method} model"}
+            "model_label": f"{cell.label or cell.method}"}
 
 
 def summary(cells: Sequence[Cell], failed: Sequence[FailedCell], invalid: Sequence[InvalidCell] = (),
