@@ -281,11 +281,15 @@ SAMPLE_FIELDS: dict[str, tuple[type, Any]] = {
     "cached": (bool, False),
     "attack_index": (int, -1),    # the attacked prompt's index (-1: a suite image)
     "original_prompt": (str, ""),  # the suite prompt the attack started from (a suite image: its prompt)
+    "adversarial_prompt": (str, ""),  # the attack's prompt text ("" for a suite image)
     "attack_success": (bool, False),
     "queries": (int, 0),
+    "judged_queries": (int, 0),    # images the attack's search had the judge score for this prompt
     "iterations": (int, 0),
     "attack_time_s": (float, 0.0),
     "attack_cached": (bool, False),
+    "kept_original": (bool, False),  # the attack handed on the original prompt (its search judged it better)
+    "search_seeds": (str, "[]"),  # the seeds the attack's search drew for this prompt, as JSON text
     "extra": (str, "{}"),         # whatever else the judge or attacker recorded, as JSON text
 }
 
@@ -302,7 +306,7 @@ def sample_row(**values: Any) -> dict[str, Any]:
         v = values.get(name)
         if v is None:
             row[name] = default
-        elif name == "extra" and not isinstance(v, str):
+        elif name in ("extra", "search_seeds") and not isinstance(v, str):
             row[name] = json.dumps(v, sort_keys=True, default=str)
         else:
             row[name] = kind(v)

@@ -47,7 +47,8 @@ def cell(tmp_path_factory):
     _run(cache, tmp / "first")
     return {"cache": cache, "dir": tmp / "first", "tmp": tmp,
             "results": json.loads((tmp / "first" / "results.json").read_text()),
-            "lines": [json.loads(x) for x in (tmp / "first" / "samples.jsonl").read_text().splitlines()]}
+            "lines": [json.loads(x) for f in ("samples.jsonl", "bias_images.jsonl")
+                      for x in (tmp / "first" / f).read_text().splitlines()]}
 
 
 @pytest.fixture(scope="module")

@@ -246,8 +246,11 @@ def sample_rows(ctx: CellContext, exported: dict[str, str]) -> list[dict[str, An
 
     rows = [row(s, original_prompt=s.prompt) for s in ctx.samples]
     for i, o in enumerate(ctx.outputs):
-        rows += [row(s, group="attack", attack_index=i, original_prompt=o.request.prompt, attack_success=o.success,
-                     queries=o.queries, iterations=o.iterations, attack_time_s=o.time_s, attack_cached=o.cached)
+        rows += [row(s, group="attack", attack_index=i, original_prompt=o.request.prompt,
+                     adversarial_prompt=o.adversarial_prompt, attack_success=o.success, queries=o.queries,
+                     judged_queries=o.judged_queries, iterations=o.iterations, attack_time_s=o.time_s,
+                     attack_cached=o.cached, kept_original=bool(o.extra.get("kept_original", False)),
+                     search_seeds=[int(x) for x in o.extra.get("search_seeds", [])])
                  for s in o.samples]
     return rows
 
