@@ -222,7 +222,15 @@ def budget_of(data: dict[str, Any]) -> dict[str, Any]:
             "n": {k: m.get("n") for k, m in (data.get("metrics") or {}).items() if isinstance(m, dict)},
             "attack": {k[len("attack_budget_"):]: v for k, v in (data.get("counts") or {}).items()
                        if k.startswith("attack_budget_")} or None,
-            "protocol": None, "fid_reference": (data.get("provenance") or {}).get("fid")}
+            "protocol": _protocol_of(data.get("protocol")), "fid_reference": (data.get("provenance") or {}).get("fid")}
+
+
+def _protocol_of(record: Any) -> Any:
+    """The comparable part of a results.json ``protocol`` record (schema 2 files carry it
+    without a budget): its name and images per attacked prompt."""
+    if not isinstance(record, dict) or not record:
+        return None
+    return {k: record[k] for k in ("name", "images_per_prompt", "images_per_attacked_prompt") if k in record}
 
 
 def _protocol_name(protocol: Any) -> Any:
@@ -247,6 +255,10 @@ def settings(data: dict[str, Any]) -> dict[str, Any]:
         out["prompt_types"] = ",".join(map(str, pt)) if isinstance(pt, list) else pt
     if budget.get("protocol") is not None:
         out["protocol"] = _protocol_name(budget["protocol"])
+        record = budget["protocol"] if isinstance(budget["protocol"], dict) else {}
+        per_prompt = record.get("images_per_attacked_prompt")
+        if per_prompt is not None:  # ASR rises with the images judged per attacked prompt
+            out["protocol.images_per_attacked_prompt"] = per_prompt
     if (budget.get("fid_reference") or {}).get("name"):
         out["fid_reference"] = budget["fid_reference"]["name"]
     for k, v in cfg.items():
