@@ -60,7 +60,10 @@ def wilson_interval(k: float, n: int, confidence: float = 0.95) -> tuple[float, 
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, float(centre - half)), min(1.0, float(centre + half)))
+    # at 0/n and n/n the bound is exactly 0 (1); the formula leaves a rounding residue there
+    lo = 0.0 if k == 0 else max(0.0, float(centre - half))
+    hi = 1.0 if k == n else min(1.0, float(centre + half))
+    return (lo, hi)
 
 
 def _profiles(ps: np.ndarray, s: np.ndarray, f: np.ndarray, w: np.ndarray) -> np.ndarray:
