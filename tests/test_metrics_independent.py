@@ -140,8 +140,17 @@ def test_ea_ra_per_type(cell):
         check(metrics[f"{group}/{kind}"], value, ci, method, len(rows), len(clusters))
         checked += 1
     assert checked == 4  # ea/name, ea/variant, ea/short, ra/random
+    for group in ("ea", "ra"):  # every type of the group together, prompts as clusters
+        rows = [r for r in suite if r["group"] == group]
+        clusters = by_cluster(rows, lambda r: (r["kind"], r["prompt"]))
+        outcome = (lambda r: not r["detected"]) if group == "ea" else (lambda r: r["detected"])
+        value, ci, method = clustered([[outcome(r) for r in c] for c in clusters])
+        check(metrics[group], value, ci, method, len(rows), len(clusters))
     assert metrics["ea/name"]["ci_low"] is None  # one prompt
-    assert 0 < metrics["ea/short"]["value"] < 1 and 0 < metrics["ra/random"]["value"] <= 1
+    # the cell is chosen so that the intervals are not all at a boundary (with the seeds of
+    # emma.seeds, ea/short is 0 here: every short-prompt image still shows the circle)
+    assert any(0 < metrics[k]["value"] < 1 for k in ("ea", "ea/variant", "ea/short"))
+    assert 0 < metrics["ra/random"]["value"] <= 1
 
 
 def test_asr_per_attacked_prompt(cell):
@@ -278,7 +287,7 @@ def test_bias_paired_reading(cell, images, judge):
 
 
 def test_every_metric_was_checked(cell):
-    checked = {"ea/name", "ea/variant", "ea/short", "ra/random", "asr", "asr/images", "asr/pre",
+    checked = {"ea", "ra", "ea/name", "ea/variant", "ea/short", "ra/random", "asr", "asr/images", "asr/pre",
                "asr/pre/images", "time/inference_s_per_image", "time/unlearning_s", "fid"}
     checked |= {f"bias/colour/blue/{s}/{p}" for s in ("ssim", "features")
                 for p in ("base", "erased", "change", "amplification")}
@@ -310,8 +319,10 @@ def test_finished_cell_is_served_without_a_pipeline(cell):
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
     # no pipeline, not even torch: the pre-flight skips the component checks of a finished cell
     assert "diffusers" not in imported and "torch" not in imported
-    first = (cell["dir"] / "results.json").read_bytes()
-    assert (cell["tmp"] / "served" / "results.json").read_bytes() == first
+    first = json.loads((cell["dir"] / "results.json").read_text())
+    served = json.loads((cell["tmp"] / "served" / "results.json").read_text())
+    assert served.pop("served_from_cache")["key"] and first.pop("served_from_cache") is None
+    assert served == first  # the first run's result, saying it was served
     assert (cell["tmp"] / "served" / "samples.jsonl").read_bytes() == (cell["dir"] / "samples.jsonl").read_bytes()
     # another configuration misses: the key covers the config
     key_files = list((cell["cache"] / "results").glob("*/key.json"))

@@ -212,20 +212,22 @@ def protocol_record(ctx: CellContext) -> dict[str, Any]:
 PROTOCOL_BUDGET = ("name", "images_per_prompt", "images_per_attacked_prompt", "uses_judge")
 
 
-def budget(ctx: CellContext, protocol: dict[str, Any] | None = None) -> dict[str, Any]:
+def budget(ctx: CellContext, protocol: dict[str, Any] | None = None,
+           cell_counts: dict[str, Any] | None = None) -> dict[str, Any]:
     """The cell's ``budget`` block (:func:`emma.results.budget_block`); ``protocol`` is
-    results.json's protocol record (:func:`protocol_record`)."""
+    results.json's protocol record (:func:`protocol_record`), ``cell_counts`` its counts (the
+    attack budget is what they record as ``attack_budget_*``)."""
     cfg, requests = ctx.cfg, ctx.requests
     suite = [r for r in requests if r.group in ("ea", "ra")]
     per_prompt = sorted({r.n_images for r in suite})
     kinds = {r.kind for r in suite}
     protocol = {k: protocol[k] for k in PROTOCOL_BUDGET if k in protocol} if protocol else None
-    attack = ctx.attacker.budget() if ctx.outputs or ctx.attack_run is not None else None
+    attack = {k[len("attack_budget_"):]: v for k, v in (cell_counts or {}).items() if k.startswith("attack_budget_")}
     return budget_block(
         images_per_prompt=per_prompt[0] if len(per_prompt) == 1 else None,
         prompt_types=[k for k in (*EA_TYPES, *RA_TYPES) if k in kinds] + sorted(kinds - {*EA_TYPES, *RA_TYPES}),
         prompts=dict(sorted(Counter(f"{r.group}/{r.kind}" for r in suite).items())),
-        metrics=ctx.metrics, attack=attack, protocol=protocol,
+        metrics=ctx.metrics, attack=attack or None, protocol=protocol,
         fid_reference=ctx.provenance.get("fid") or None,
         bias_images_per_prompt=int(cfg.metrics.bias.images_per_prompt) if cfg.metrics.bias.enabled else None)
 
@@ -273,7 +275,7 @@ def record(ctx: CellContext) -> None:
                       concept=ctx.concept, attacker=ctx.attacker.name, classifier=ctx.suite_judge.name),
         config=OmegaConf.to_container(ctx.cfg, resolve=True),
         versions=versions(ctx), timing=ctx.timing, counts=cell_counts, notes=ctx.notes,
-        provenance=ctx.provenance, protocol=protocol, budget=budget(ctx, protocol),
+        provenance=ctx.provenance, protocol=protocol, budget=budget(ctx, protocol, cell_counts),
     )
     lines = [json.dumps(r) for r in sample_rows(ctx, exported)]
     atomic_write_text(out / "samples.jsonl", "".join(line + "\n" for line in lines))
