@@ -526,19 +526,6 @@ def attack_metrics(run: AttackRun) -> dict[str, MetricValue]:
     }
 
 
-def attack_records(outputs: Sequence[AttackOutput], attacker: Attacker) -> list[dict[str, Any]]:
-    """``samples.jsonl`` lines of the attack: each judged image with its attack, the seeds its
-    search drew for the request (``search_seeds``), the images it had judged, and whether the
-    attack handed on the original prompt (``kept_original``: its search judged it better)."""
-    return [{**s.to_json(), "group": "attack", "attack": attacker.name, "attack_index": i,
-             "adversarial_prompt": o.adversarial_prompt, "original_prompt": o.request.prompt,
-             "attack_success": o.success, "queries": o.queries, "judged_queries": o.judged_queries,
-             "iterations": o.iterations, "attack_time_s": o.time_s, "attack_cached": o.cached,
-             "search_seeds": list(o.extra.get("search_seeds", [])),
-             "kept_original": bool(o.extra.get("kept_original", False))}
-            for i, o in enumerate(outputs) for s in o.samples]
-
-
 def attack_seed_record(run: AttackRun, attacker: Attacker) -> dict[str, Any]:
     """results.json's record of the attack's seeds (``protocol.seeds``): every seed the search
     drew in this run, those its cached outputs' searches drew, and how many final images share

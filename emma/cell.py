@@ -7,14 +7,13 @@ model and attack.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig
 
 from emma import finished
-from emma.results import CellResult
+from emma.results import CellResult, summary_text
 from emma.stages.attack import attack
 from emma.stages.context import CellContext
 from emma.stages.erasure import erase
@@ -57,19 +56,6 @@ def run_stages(ctx: CellContext, output_dir: str | Path) -> CellResult:
     return ctx.result
 
 
-def summary_table(result: CellResult) -> str:
-    """A short plain-text table of the metrics."""
-    rows = [f"{'metric':<44}{'value':>10}{'95% CI':>22}{'n':>8}"]
-    for k, v in sorted(result.metrics.items()):
-        ci = f"[{v.ci_low:.3f}, {v.ci_high:.3f}]" if v.ci_low is not None and not math.isnan(v.ci_low) else ""
-        value = f"{v.value:>10.4f}" if v.value is not None else f"{'null':>10}"
-        rows.append(f"{k:<44}{value}{ci:>22}{v.n:>8}")
-    return "\n".join(rows)
-
-
 def describe(result: CellResult) -> str:
-    c = result.cell
-    head = (f"cell: model={c.model} method={c.method} domain={c.domain} concept={c.concept} "
-            f"attacker={c.attacker} classifier={c.classifier}")
-    counts = ", ".join(f"{k}={v}" for k, v in result.counts.items())
-    return "\n".join([head, summary_table(result), counts] + [f"NOTE: {n}" for n in result.notes])
+    """The cell's coordinates, metrics table, counts and notes (:func:`emma.results.summary_text`)."""
+    return summary_text(result.to_json())

@@ -43,6 +43,9 @@ class RunConfig:
             on it in the last bits (the order of float reductions): same seed and same
             threads give bit-identical metrics; the count used is in results.json.
         overwrite: replace the results of an earlier cell in the same run directory.
+        evidence_images: how many flagged images the cell copies to ``evidence/`` (``null``:
+            every judged image, each named in its ``samples.jsonl`` row's ``image``). No number
+            depends on it.
     """
 
     model: Any = MISSING
@@ -62,6 +65,7 @@ class RunConfig:
     prompt_types: Optional[list[str]] = None
     threads: Optional[int] = None
     overwrite: bool = False
+    evidence_images: Optional[int] = 16
 
 
 def to_python(x: Any) -> Any:

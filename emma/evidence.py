@@ -1,14 +1,17 @@
-"""Image evidence of a cell: copies of the images in which the erased concept came back.
+"""Image evidence of a cell: copies of the images in which the judge found the erased concept
+(and a few where it did not), each beside the base model's image of the same prompt and seed.
 
 Written next to results.json as ``evidence/<image hash>.png`` + ``evidence/index.json``
-(prompt, seed, group, kind, judge score per image), so leaderboards and W&B show the images
-from the result folder alone, without the cache.
+(prompt, seed, group, kind, judge score per image; ``base_file``: the base model's image of
+the same prompt and seed, where the cell's model was erased), so leaderboards and W&B show
+the images from the result folder alone, without the cache.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
     from emma.api.types import Sample
 
 EVIDENCE_DIR = "evidence"
+log = logging.getLogger(__name__)
 
 
 def select_evidence(samples: Sequence[Sample], limit: int = 16, context: int = 4) -> list[Sample]:
@@ -39,28 +43,70 @@ def select_evidence(samples: Sequence[Sample], limit: int = 16, context: int = 4
     return out
 
 
-def write_evidence(generator: Any, samples: Sequence[Sample], output_dir: str | Path,
-                   limit: int = 16) -> int:
-    """Copy the selected images out of ``generator``'s image cache; returns how many.
+def _png(image: Any) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(image)).save(buf, format="PNG")
+    return buf.getvalue()
 
-    Images drawn from prompt embeddings (white-box attacks) have no text key and are skipped.
+
+def _base_images(base: Any, chosen: Sequence[Sample], negative_prompt: str | None) -> list[Any]:
+    """The base model's images of ``chosen``'s prompts and seeds (drawn, or read from the image
+    cache), as uint8 HWC arrays; ``[]`` when the base model cannot draw here."""
+    if base is None or not chosen:
+        return []
+    from emma.cache import to_uint8
+
+    try:
+        drawn = base.generate([s.prompt for s in chosen], [s.seed for s in chosen], negative_prompt=negative_prompt)
+    except Exception as err:  # noqa: BLE001 - pairs are a courtesy: the evidence stands without them
+        log.warning("evidence: the base model's images of the same prompts were not drawn (%s: %s)",
+                    type(err).__name__, err)
+        return []
+    return list(to_uint8(drawn.images))
+
+
+def write_evidence(generator: Any, samples: Sequence[Sample], output_dir: str | Path,
+                   limit: int | None = 16, base: Any = None, pairs: int = 8) -> dict[str, str]:
+    """Copy the selected images out of ``generator``'s image cache.
+
+    Args:
+        generator: the erased model's cached generator.
+        samples: the cell's judged samples (suite and attack).
+        output_dir: the cell folder (``evidence/`` goes there).
+        limit: flagged images at most (:func:`select_evidence`); ``None``: every judged image
+            drawn from a text prompt.
+        base: the base model (``generate(prompts, seeds)``) where it differs from the cell's
+            model: the first ``pairs`` images get the base model's image of the same prompt
+            and seed beside them (``base_file``).
+        pairs: how many images get their base-model twin.
+
+    Returns:
+        image hash -> its path relative to ``output_dir`` (``evidence/<hash>.png``). Images
+        drawn from prompt embeddings (white-box attacks) have no text key and are skipped.
     """
     folder = Path(output_dir) / EVIDENCE_DIR
+    chosen = list({s.image_hash: s for s in samples}.values()) if limit is None else select_evidence(samples, limit)
     index: list[dict[str, Any]] = []
-    for s in select_evidence(samples, limit):
-        key = generator.image_key(s.prompt, s.seed, generator.negative_prompt)
-        image = generator.cache.get(key)
-        if image is None:
-            continue
+    exported: dict[str, str] = {}
+    found = []
+    for s in chosen:
+        image = generator.cache.get(generator.image_key(s.prompt, s.seed, generator.negative_prompt))
+        if image is not None:
+            found.append((s, image))
+    twins = _base_images(base, [s for s, _ in found[:pairs]], generator.negative_prompt)
+    for i, (s, image) in enumerate(found):
         name = f"{s.image_hash[:16]}.png"
-        buf = io.BytesIO()
-        Image.fromarray(np.asarray(image)).save(buf, format="PNG")
-        atomic_write_bytes(folder / name, buf.getvalue(), fsync=False, what="an evidence image")
-        index.append({"file": name, "prompt": s.prompt, "seed": s.seed, "group": s.group, "kind": s.kind,
-                      "concept": s.concept, "detected": s.detected, "score": s.score})
+        atomic_write_bytes(folder / name, _png(image), fsync=False, what="an evidence image")
+        record = {"file": name, "prompt": s.prompt, "seed": s.seed, "group": s.group, "kind": s.kind,
+                  "concept": s.concept, "detected": s.detected, "score": s.score}
+        if i < len(twins):
+            record["base_file"] = f"base-{s.image_hash[:16]}.png"
+            atomic_write_bytes(folder / record["base_file"], _png(twins[i]), fsync=False, what="an evidence image")
+        index.append(record)
+        exported[s.image_hash] = f"{EVIDENCE_DIR}/{name}"
     if index:
         atomic_write_text(folder / "index.json", json.dumps(index, indent=2) + "\n")
-    return len(index)
+    return exported
 
 
 class EvidenceError(ValueError):

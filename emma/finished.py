@@ -3,7 +3,9 @@ from the cache without loading a pipeline.
 
 The key is the sha256 of everything a cell's numbers depend on:
 
-- the resolved configuration (without ``paths``: where the caches live moves no number);
+- the resolved configuration (without ``paths``: where the caches live moves no number; and
+  without ``logger``: where the results are reported moves none either, and a cell served
+  from the cache is reported to the logger of the run that asked for it);
 - the harness's code and shipped data: every file of the packages ``emma``, ``methods``,
   ``attackers``, ``classifiers``, ``stace`` and ``conf`` (so any component's version, any
   metric's definition and the tiny-world weights are in it);
@@ -12,11 +14,13 @@ The key is the sha256 of everything a cell's numbers depend on:
   read once; a hub id enters as its name, revision and variant;
 - the versions of the numerical libraries (torch, diffusers, transformers, numpy, scipy).
 
-Layout: ``<cache>/results/<key>/{results.json, samples.jsonl, key.json, manifest.json}``,
-written to a temporary folder and renamed into place. ``manifest.json`` (written last) holds
-the key and the sha256 and size of the other three files; an entry is served only after
-every file matches it, and each copy in the run directory is checked again before it is
-renamed into place, so a truncated or edited stored file never reaches a run directory. A
+Layout: ``<cache>/results/<key>/{results.json, samples.jsonl, key.json, manifest.json}``
+(+ ``bias_images.jsonl`` and ``evidence/`` where the cell wrote them), written to a temporary
+folder and renamed into place. ``manifest.json`` (written last) holds the key and the sha256
+and size of every other file; an entry is served only after every file matches it, and each
+copy in the run directory is checked again before it is renamed into place, so a truncated or
+edited stored file never reaches a run directory. A served ``results.json`` says so
+(``served_from_cache``: the key and when), and its ``metrics.csv`` is written from it. A
 damaged or incomplete entry goes through the caches' quarantine (:func:`emma.cache.quarantine`,
 kind ``finished_result``) and the cell is computed again, its notes saying so.
 
@@ -43,9 +47,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("emma", "methods", "attackers", "classifiers", "stace")
 LIBRARIES = ("torch", "diffusers", "transformers", "numpy", "scipy", "clean-fid", "scikit-image")
 FILES = ("results.json", "samples.jsonl")  # copied into a run directory
+OPTIONAL = ("bias_images.jsonl",)  # copied too where the cell wrote them
+EVIDENCE = "evidence"  # the folder of evidence images, stored and copied whole
 KEY_FILE = "key.json"
 MANIFEST = "manifest.json"
-STORED = (*FILES, KEY_FILE)  # what the manifest vouches for
+STORED = (*FILES, KEY_FILE)  # what every manifest vouches for (besides the optional files it lists)
 MANIFEST_FORMAT = 1
 REPAIR_KIND = "finished_result"
 
@@ -125,7 +131,7 @@ def cell_inputs(cfg: Any) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
-    config = {k: v for k, v in config.items() if k != "paths"}
+    config = {k: v for k, v in config.items() if k not in NOT_IN_KEY}
     cache_root = cache_dir(cfg)
     return {
         "config": config,
@@ -134,6 +140,10 @@ def cell_inputs(cfg: Any) -> dict[str, Any]:
         "libraries": {n: _version(n) for n in LIBRARIES},
         "python": sys.version.split()[0],
     }
+
+
+#: top-level settings that move no number: where files go, and where results are reported
+NOT_IN_KEY = ("paths", "logger")
 
 
 def cache_dir(cfg: Any) -> Path:
@@ -177,14 +187,27 @@ def damage(found: Path) -> str | None:
     if manifest.get("key") != found.name:
         return f"{MANIFEST} is of key {manifest.get('key')!r}"
     files = manifest.get("files")
+    if not isinstance(files, dict):
+        return f"{MANIFEST} lists no files"
     for name in STORED:
-        want = files.get(name) if isinstance(files, dict) else None
-        if not isinstance(want, dict):
+        if not isinstance(files.get(name), dict):
             return f"{MANIFEST} does not list {name}"
+    for name, want in files.items():
+        if not isinstance(want, dict) or not _stored_name(name):
+            return f"{MANIFEST} lists {name!r}, which is not a file of a stored result"
         reason = _mismatch(found / name, want, name)
         if reason:
             return reason
     return None
+
+
+def _stored_name(name: str) -> bool:
+    """A name a manifest may list: a stored file, or an image of the evidence folder (never a
+    path out of the entry)."""
+    parts = name.split("/")
+    if len(parts) == 1:
+        return name in (*STORED, *OPTIONAL)
+    return len(parts) == 2 and parts[0] == EVIDENCE and parts[1] not in ("", ".", "..")
 
 
 def _mismatch(path: Path, want: dict[str, Any], name: str) -> str | None:
@@ -240,20 +263,29 @@ def lookup(cfg: Any, output_dir: str | os.PathLike) -> Path | None:
 
 
 def serve(found: Path, output_dir: str | os.PathLike) -> Path:
-    """Copy a stored result's files into ``output_dir``; the path of the copied results.json.
+    """Copy a stored result's files (and its evidence images) into ``output_dir``; the path of
+    the copied results.json, which then records ``served_from_cache`` (the key and when); its
+    ``metrics.csv`` is written from it.
 
     Each copy is checked against the manifest before any is renamed into place: a stored file
     damaged since :func:`entry` verified it leaves the run directory as it was, moves the
     entry to the quarantine and raises :class:`StoredResultChanged`."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmps = {f: out / f".{f}.{os.getpid()}.tmp" for f in FILES}
+    try:
+        files = json.loads((found / MANIFEST).read_text())["files"]
+        names = [f for f in files if f != KEY_FILE and _stored_name(f)]
+    except (OSError, ValueError, KeyError, TypeError):
+        files, names = {}, list(FILES)
+    tmps = {f: out / (f".{f}.{os.getpid()}.tmp" if "/" not in f else
+                      f"{EVIDENCE}/.{f.split('/', 1)[1]}.{os.getpid()}.tmp") for f in names}
+    had_evidence = (out / EVIDENCE).exists()
     try:
         try:
-            files = json.loads((found / MANIFEST).read_text())["files"]
-            needed = sum(int(files[f].get("size") or 0) for f in FILES if isinstance(files.get(f), dict))
+            needed = sum(int(files[f].get("size") or 0) for f in names if isinstance(files.get(f), dict))
             with storing(out, "the finished cell's results", needed=needed):
                 for f, tmp in tmps.items():
+                    tmp.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(found / f, tmp)
             reason = next((r for f, tmp in tmps.items() if (r := _mismatch(tmp, files[f], f))), None)
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -264,12 +296,30 @@ def serve(found: Path, output_dir: str | os.PathLike) -> Path:
                 f"the stored result {found} changed while it was served ({reason}); it was moved to the "
                 "quarantine and nothing was written to the run directory: run the same command again "
                 "to compute the cell")
-        for f in reversed(FILES):  # results.json last: its presence marks a finished cell
+        for f in sorted(names, key=lambda f: f == "results.json"):  # results.json last: it marks a finished cell
+            if f == "results.json":
+                _mark_served(tmps[f], found.name)
             os.replace(tmps[f], out / f)
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
+        if not had_evidence and (out / EVIDENCE).is_dir() and not any((out / EVIDENCE).iterdir()):
+            (out / EVIDENCE).rmdir()  # nothing served: no folder made for it either
     return out / "results.json"
+
+
+def _mark_served(path: Path, key: str) -> None:
+    """Record in the copied results.json (before it is renamed into place) that it was served
+    from the cache, and write the cell's ``metrics.csv`` from it."""
+    import time
+
+    from emma.results import write_metrics_table
+
+    data = json.loads(path.read_text())
+    data["served_from_cache"] = {"key": key, "served_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with storing(path.parent, "the finished cell's results"):
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        write_metrics_table(data, path.parent)
 
 
 def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Path:
@@ -287,17 +337,22 @@ def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Pa
             return dest
         _quarantine(dest, reason)
     tmp = root / f".{key}.{os.getpid()}.tmp"
-    needed = sum((Path(output_dir) / f).stat().st_size for f in FILES)
+    src = Path(output_dir)
+    names = [*FILES, *(f for f in OPTIONAL if (src / f).is_file())]
+    if (src / EVIDENCE).is_dir():
+        names += sorted(f"{EVIDENCE}/{p.name}" for p in (src / EVIDENCE).iterdir()
+                        if p.is_file() and not p.name.startswith("."))
+    needed = sum((src / f).stat().st_size for f in names)
     with storing(dest, "the finished cell", needed=needed, cleanup=tmp):
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for f in FILES:
-            shutil.copyfile(Path(output_dir) / f, tmp / f)
+        (tmp / EVIDENCE).mkdir(parents=True)
+        for f in names:
+            shutil.copyfile(src / f, tmp / f)
         atomic_write_text(tmp / KEY_FILE, json.dumps(cell_inputs(cfg), sort_keys=True, indent=1, default=str))
         # last, hashed from the stored copies: the manifest vouches for what the entry holds
         manifest = {"format": MANIFEST_FORMAT, "key": key,
                     "files": {f: {"sha256": sha256_file(tmp / f), "size": (tmp / f).stat().st_size}
-                              for f in STORED}}
+                              for f in (*names, KEY_FILE)}}
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     try:
         os.replace(tmp, dest)
@@ -308,14 +363,6 @@ def store(cfg: Any, output_dir: str | os.PathLike, key: str | None = None) -> Pa
 
 def describe_json(data: dict[str, Any]) -> str:
     """The summary a run prints, from a results.json dict (no torch import)."""
-    c = data["cell"]
-    rows = [f"cell: model={c['model']} method={c['method']} domain={c['domain']} concept={c['concept']} "
-            f"attacker={c['attacker']} classifier={c['classifier']}",
-            f"{'metric':<44}{'value':>10}{'95% CI':>22}{'n':>8}{'clusters':>10}"]
-    for k, v in sorted(data["metrics"].items()):
-        ci = f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]" if v.get("ci_low") is not None else ""
-        value = v["value"] if v["value"] is not None else float("nan")
-        rows.append(f"{k:<44}{value:>10.4f}{ci:>22}{v['n']:>8}{v.get('n_clusters') or '':>10}")
-    rows.append(", ".join(f"{k}={v}" for k, v in data["counts"].items()))
-    rows += [f"NOTE: {n}" for n in data.get("notes", [])]
-    return "\n".join(rows)
+    from emma.results import summary_text
+
+    return summary_text(data)

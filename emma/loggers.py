@@ -1,15 +1,15 @@
 """Experiment loggers, called once per cell after results.json is written (``logger=``).
 
-``none``: results.json + samples.jsonl are the record. ``csv``: also ``metrics.csv`` in the
-cell folder. ``wandb``: one W&B run per cell with the redacted config, the metrics (value and
-CI bounds), the evidence images and a grid of them. A logger that fails only logs a warning:
-the result files are the source of truth and are already on disk.
+``none``: results.json, metrics.csv and samples.jsonl are the record. ``csv``: the same
+(every cell writes ``metrics.csv``; the choice is kept for old command lines). ``wandb``: one
+W&B run per cell with the redacted config, the metrics (value and CI bounds), the evidence
+images and a grid of them. A cell served from the results cache is logged as a computed one
+(its evidence images come with it). A logger that fails only logs a warning: the result files
+are the source of truth and are already on disk.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import os
 from pathlib import Path
@@ -18,25 +18,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from emma.evidence import EVIDENCE_DIR, read_evidence
-from emma.files import atomic_write_text
-from emma.results import CellResult, redact
+from emma.results import CellResult, redact, write_metrics_table
 
 log = logging.getLogger(__name__)
 
 
-def metric_rows(result: CellResult) -> list[dict[str, Any]]:
-    return [{"metric": k, **v.to_json()} for k, v in sorted(result.metrics.items())]
-
-
 def log_csv(result: CellResult, out: Path) -> Path:
-    rows = metric_rows(result)
-    fields = ["metric"] + sorted({k for r in rows for k in r} - {"metric"})
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(out / "metrics.csv", buf.getvalue())
-    return out / "metrics.csv"
+    """``metrics.csv`` (:func:`emma.results.write_metrics_table`), as every cell writes it."""
+    return write_metrics_table(result.to_json(), out)
 
 
 def run_name(result: CellResult) -> str:
@@ -45,16 +34,19 @@ def run_name(result: CellResult) -> str:
 
 
 def image_grid(paths: list[Path], columns: int = 8) -> Any:
-    """One PIL image with ``paths`` tiled row-major (all images the size of the first)."""
+    """One PIL image with ``paths`` tiled row-major (torchvision's ``make_grid``; all images
+    resized to the first one's size), 2 px white between them."""
+    import numpy as np
+    import torch
     from PIL import Image
+    from torchvision.utils import make_grid
 
-    images = [Image.open(p).convert("RGB") for p in paths]
-    w, h = images[0].size
-    rows = (len(images) + columns - 1) // columns
-    grid = Image.new("RGB", (w * min(columns, len(images)), h * rows), "white")
-    for i, im in enumerate(images):
-        grid.paste(im, ((i % columns) * w, (i // columns) * h))
-    return grid
+    first = Image.open(paths[0]).convert("RGB")
+    size = first.size
+    tiles = [torch.from_numpy(np.array(Image.open(p).convert("RGB").resize(size))).permute(2, 0, 1)
+             for p in paths]
+    grid = make_grid(torch.stack(tiles), nrow=min(columns, len(tiles)), padding=2, pad_value=255)
+    return Image.fromarray(grid.permute(1, 2, 0).numpy())
 
 
 def log_wandb(lcfg: DictConfig, result: CellResult, out: Path) -> str:

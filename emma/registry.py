@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -234,9 +235,22 @@ def other_concepts(domain: str, _root_: DictConfig) -> Any:
     return ListConfig([c for c in built.concepts if c != concept])
 
 
+#: characters a sweep folder's name must not hold: glob patterns (``datasets``, ``fsspec`` and
+#: shells read ``[...]``, ``*``, ``?`` and ``{...}`` as patterns), quotes, spaces, separators
+_UNSAFE_IN_NAMES = re.compile(r"[\[\]{}*?'\"\s/\\$`!&;|<>()#~]")
+
+
+def dirname(text: str) -> str:
+    """A sweep job's folder name from its overrides (``${emma.dirname:${hydra.job.override_dirname}}``):
+    a list value ``[name,random]`` becomes ``name+random``, and every other character a glob
+    or a shell would read specially becomes ``_``."""
+    text = re.sub(r"\[([^\[\]]*)\]", lambda m: m.group(1).replace(",", "+"), str(text))
+    return _UNSAFE_IN_NAMES.sub("_", text)
+
+
 def register_configs() -> None:
     """Register what conf/ needs before Hydra composes it: the ``${emma.other_concepts:...}``
-    resolver and the structured-config schemas (:mod:`emma.config`)."""
+    and ``${emma.dirname:...}`` resolvers and the structured-config schemas (:mod:`emma.config`)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -245,6 +259,8 @@ def register_configs() -> None:
 
     if not OmegaConf.has_resolver("emma.other_concepts"):
         OmegaConf.register_new_resolver("emma.other_concepts", other_concepts)
+    if not OmegaConf.has_resolver("emma.dirname"):
+        OmegaConf.register_new_resolver("emma.dirname", dirname)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

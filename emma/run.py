@@ -97,7 +97,11 @@ def claim_run_dir(out: str | Path, cell: str) -> Iterator[None]:
     into the same directory is refused instead of mixing its images and results into this
     one's. The lock is an exclusive ``flock``: the kernel releases it when its process ends,
     however it ends, so a lock file left by a dead process is simply taken over. The file
-    holds the holder's pid, host and overrides for the refusal's message."""
+    holds the holder's pid, host and overrides for the refusal's message.
+
+    Not ``filelock``: its Unix lock truncates the lock file when a contender opens it (3.x),
+    so the refusal could not name the cell that holds the folder, and it leaves the file in
+    the run directory when released; this lock is the same ``flock`` with both kept."""
     import fcntl
     import socket
 
@@ -151,19 +155,38 @@ def _user_error(err: BaseException) -> EmmaError | None:
     return cause if isinstance(cause, EmmaError) else None
 
 
+def banner(cfg: DictConfig, out: str | Path, served: bool = False) -> str:
+    """The lines a cell prints before any work: which cell, where its results go, where its
+    caches are (and whether it is served from them)."""
+    choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
+    cell = " ".join(f"{k}={choices.get(k) or OmegaConf.select(cfg, f'{k}.name', default='?')}"
+                    for k in ("model", "method", "domain", "attacker"))
+    cache = Path(str(cfg.paths.cache_dir)).expanduser()
+    return (f"cell: {cell} concept={cfg.get('concept') or '(domain default)'} seed={cfg.seed}\n"
+            f"run dir: {out}\n"
+            f"cache dir: {cache}" + (" (this cell's results are served from it)" if served else ""))
+
+
 def execute(cfg: DictConfig, out: str | Path, ctx: Any = None, multirun: bool = False) -> dict | None:
-    """Run a cell into ``out`` and print its summary: from ``ctx`` when the command line set it
-    up already, else from ``cfg`` (a sweep's job). Errors: exit 2 for a user error, 130 on
-    Ctrl-C; in a sweep, ``error.json`` and a :class:`CellFailedError` for the launcher."""
+    """Run a cell into ``out`` and report it (console and ``run.log``, then the configured
+    logger): from ``ctx`` when the command line set it up already, else from ``cfg`` (a
+    sweep's job). Errors: exit 2 for a user error, 130 on Ctrl-C; in a sweep, ``error.json``
+    and a :class:`CellFailedError` for the launcher."""
     from emma import finished
     from emma.stages.setup import setup
 
     try:
         ctx = ctx if ctx is not None else setup(cfg)
+        log.info(banner(cfg, out, served=ctx.finished is not None))
         if ctx.finished is not None:  # same inputs as a finished cell: no pipeline, not even torch
+            from emma.loggers import log_cell
+            from emma.results import CellResult
+
             data = json.loads(finished.serve(ctx.finished, out).read_text())
-            print(finished.describe_json(data))
-            print(f"results: {Path(out) / 'results.json'} (finished cell served from the cache)")
+            log.info(finished.describe_json(data))
+            log.info(f"results: {Path(out) / 'results.json'} (finished cell served from the cache, "
+                     f"key {ctx.finished.name[:12]})")
+            log_cell(cfg, CellResult.from_json(data), out)  # the logger of this run, as for a computed cell
             return _metric_values(data)
         from emma.cell import describe, run_stages
 
@@ -184,8 +207,8 @@ def execute(cfg: DictConfig, out: str | Path, ctx: Any = None, multirun: bool = 
     from emma.loggers import log_cell
 
     log_cell(cfg, result, out)  # never raises: results.json is already written
-    print(describe(result))
-    print(f"results: {Path(out) / 'results.json'}")
+    log.info(describe(result))
+    log.info(f"results: {Path(out) / 'results.json'}")
     return {k: v.value for k, v in result.metrics.items()}
 
 
@@ -242,7 +265,7 @@ def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
                   "running the cell again", file=sys.stderr)
             overwrite = True
         else:
-            print(f"results: {done} (finished cell of this sweep, kept)")
+            log.info(f"results: {done} (finished cell of this sweep, kept)")
             return {k: v.value for k, v in kept.metrics.items()}
     try:
         check_output_dir(out, overwrite)

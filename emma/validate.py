@@ -205,6 +205,9 @@ def _check_root(cfg: DictConfig, out: list[Violation]) -> None:
     ipp = _get(cfg, "images_per_prompt")
     if ipp is not None:
         _int_in(out, "images_per_prompt", ipp, 1, MAX_IMAGES_PER_PROMPT, " or null (the domain's default)")
+    evidence = _get(cfg, "evidence_images")
+    if evidence is not None:
+        _int_in(out, "evidence_images", evidence, 0, 10**6, " or null (every judged image)")
     types = to_python(_get(cfg, "prompt_types"))
     if types is not None:
         if not isinstance(types, list) or not types:

@@ -66,7 +66,8 @@ from leaderboards.render import (
 from leaderboards.tables import Table, build_tables
 
 STATE = ".build_state.json"
-FORMAT = 2  # bump when the outputs change for the same inputs
+FORMAT = 3  # bump when the outputs change for the same inputs
+PLOTS = 3  # bump when a plot is drawn differently from the same data
 
 
 @dataclasses.dataclass
@@ -123,7 +124,7 @@ def build(runs: Sequence[str | Path], out: str | Path, *, split_versions: bool =
         if not isinstance(state, dict):
             state = {}
     stamps = {str(p): _stamp(p) for p in results + errors}
-    digest = stable_hash({"format": FORMAT, "stamps": stamps, "split": split_versions,
+    digest = stable_hash({"format": FORMAT, "plots": PLOTS, "stamps": stamps, "split": split_versions,
                           "missing": [(str(m.path), m.reason) for m in missing]})
     cached_cells = state.get("cells", {}) if state.get("format") == FORMAT else {}
 
@@ -172,11 +173,11 @@ def build(runs: Sequence[str | Path], out: str | Path, *, split_versions: bool =
 
 def _write(board: Board, state: dict[str, Any], state_path: Path, digest: str, as_read: dict[str, Any],
            stamps: dict[str, str]) -> None:
-    out, tables, rows, cells = board.out, board.tables, board.rows, board.cells
+    out, tables, cells = board.out, board.tables, board.cells
     failed, invalid, missing, notes = board.failed, board.invalid, board.missing, board.notes
     out.mkdir(parents=True, exist_ok=True)
     plot_hashes = state.get("plots", {}) if state.get("format") == FORMAT else {}
-    new_plot_hashes = _render_plots(out, tables, rows, plot_hashes)
+    new_plot_hashes = _render_plots(out, tables, plot_hashes)
     board.plots = _plot_paths(out, tables)
     md = ["# EMMA leaderboard", "", f"{board.summary}.", ""]
     for title, lines in problem_lines(failed, invalid, missing):
@@ -204,26 +205,25 @@ def _plot_paths(out: Path, tables: list[Table]) -> dict[str, list[Path]]:
     return plots
 
 
-def _render_plots(out: Path, tables: list[Table], rows: list[list[Cell]], old: dict[str, str]) -> dict[str, str]:
+def _render_plots(out: Path, tables: list[Table], old: dict[str, str]) -> dict[str, str]:
     """Re-draw only the plots whose data changed."""
     new: dict[str, str] = {}
     for d in sorted({t.domain for t in tables}):
-        dr = [r for r in rows if r[0].domain == d]
-        data = [[(c.display, c.concept, c.attacker, {k: m.get("value") for k, m in c.metrics.items()}) for c in r]
-                for r in dr]
+        main = next(t for t in tables if t.domain == d and t.kind == "main")
         key = f"{d}_ea_vs_ra"
-        new[key] = stable_hash(data)
+        new[key] = stable_hash([PLOTS, [{k: r.get(k) for k in ("_display", "method", "concept", "ea", "ra")}
+                                        for r in main.rows]])
         path = out / "plots" / f"{key}.png"
         if old.get(key) != new[key] or not path.exists():
             path.unlink(missing_ok=True)
-            plot_tradeoff(dr, path)
+            plot_tradeoff(main, path)
         asr = next((t for t in tables if t.domain == d and t.kind == "asr"), None)
         key = f"{d}_asr"
         path = out / "plots" / f"{key}.png"
         if asr is None:
             path.unlink(missing_ok=True)
             continue
-        new[key] = stable_hash([asr.columns, [{k: (v or {}).get("value") if isinstance(v, dict) else v
+        new[key] = stable_hash([PLOTS, asr.columns, [{k: (v or {}).get("value") if isinstance(v, dict) else v
                                                for k, v in r.items()} for r in asr.rows]])
         if old.get(key) != new[key] or not path.exists():
             plot_asr(asr, path)
@@ -282,5 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return exit_codes.OK
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``emma-leaderboard`` command."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -48,6 +48,8 @@ class Cell:
     problems: list[str] = dataclasses.field(default_factory=list)  # invalid values: left off the board
     digest: str = ""  # sha256 of its results.json
     variant: str = ""  # the settings that set it apart from cells of the same coordinates ("" if none)
+    budget: dict[str, Any] = dataclasses.field(default_factory=dict)  # results.json's budget (or from its config)
+    served: bool = False  # the results.json was served from the results cache
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -192,7 +194,7 @@ def method_config(data: dict[str, Any]) -> str:
 #: top-level config keys that do not set a cell's numbers beyond what the coordinates and
 #: the component signatures hold (or that say where things are, not what was measured)
 NOT_SETTINGS = {"concept", "seed", "paths", "logger", "overwrite", "experiment", "threads", "hydra", "method",
-                "attacker", "classifier", "domain", "llm"}
+                "attacker", "classifier", "domain", "llm", "evidence_images"}
 #: model keys that the base fingerprint covers, or that do not change what is drawn
 NOT_MODEL_SETTINGS = {"name", "kind", "pretrained", "revision", "variant", "device", "batch_size", "init_seed"}
 
@@ -205,23 +207,62 @@ def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = ",".join(map(str, node)) if isinstance(node, list) else node
 
 
-def settings(data: dict[str, Any]) -> dict[str, Any]:
-    """The cell's budget and settings beyond its coordinates and component signatures, flat:
-    ``images_per_prompt`` (the domain's default resolved), ``prompt_types`` (``all`` when
-    unset), the sampler (``model.guidance_scale``, ...), ``metrics.*``, the metric versions
-    and the attack budget (``counts.attack_budget_*``). Two cells with the same coordinates
-    and signatures but other settings are never merged."""
+def budget_of(data: dict[str, Any]) -> dict[str, Any]:
+    """The cell's budget: results.json's ``budget`` (schema 3), or for older files what their
+    config says (images per prompt, the domain's default resolved; prompt types, ``all`` when
+    unset; ``n`` per metric)."""
+    if isinstance(data.get("budget"), dict) and data["budget"]:
+        return data["budget"]
     cfg = data.get("config") or {}
-    out: dict[str, Any] = {}
     ipp = cfg.get("images_per_prompt")
     if ipp is None and isinstance(cfg.get("domain"), dict):
         ipp = cfg["domain"].get("images_per_prompt")
-    if cfg:
-        out["images_per_prompt"] = ipp
-        pt = cfg.get("prompt_types")
-        out["prompt_types"] = "all" if pt is None else ",".join(map(str, pt)) if isinstance(pt, list) else pt
+    pt = cfg.get("prompt_types")
+    return {"images_per_prompt": ipp, "prompt_types": list(pt) if isinstance(pt, list) else (pt or "all"),
+            "n": {k: m.get("n") for k, m in (data.get("metrics") or {}).items() if isinstance(m, dict)},
+            "attack": {k[len("attack_budget_"):]: v for k, v in (data.get("counts") or {}).items()
+                       if k.startswith("attack_budget_")} or None,
+            "protocol": _protocol_of(data.get("protocol")), "fid_reference": (data.get("provenance") or {}).get("fid")}
+
+
+def _protocol_of(record: Any) -> Any:
+    """The comparable part of a results.json ``protocol`` record (schema 2 files carry it
+    without a budget): its name and images per attacked prompt."""
+    if not isinstance(record, dict) or not record:
+        return None
+    return {k: record[k] for k in ("name", "images_per_prompt", "images_per_attacked_prompt") if k in record}
+
+
+def _protocol_name(protocol: Any) -> Any:
+    if isinstance(protocol, dict):
+        return protocol.get("name") or json.dumps(protocol, sort_keys=True)
+    return protocol
+
+
+def settings(data: dict[str, Any]) -> dict[str, Any]:
+    """The cell's budget and settings beyond its coordinates and component signatures, flat:
+    ``images_per_prompt`` and ``prompt_types`` (from its budget: :func:`budget_of`), the attack
+    ``protocol`` and the FID reference's name where recorded, the sampler
+    (``model.guidance_scale``, ...), ``metrics.*``, the metric versions and the attack budget
+    (``counts.attack_budget_*``). Two cells with the same coordinates and signatures but other
+    settings are never merged."""
+    cfg = data.get("config") or {}
+    budget = budget_of(data)
+    out: dict[str, Any] = {}
+    if cfg or data.get("budget"):
+        out["images_per_prompt"] = budget.get("images_per_prompt")
+        pt = budget.get("prompt_types")
+        out["prompt_types"] = ",".join(map(str, pt)) if isinstance(pt, list) else pt
+    if budget.get("protocol") is not None:
+        out["protocol"] = _protocol_name(budget["protocol"])
+        record = budget["protocol"] if isinstance(budget["protocol"], dict) else {}
+        per_prompt = record.get("images_per_attacked_prompt")
+        if per_prompt is not None:  # ASR rises with the images judged per attacked prompt
+            out["protocol.images_per_attacked_prompt"] = per_prompt
+    if (budget.get("fid_reference") or {}).get("name"):
+        out["fid_reference"] = budget["fid_reference"]["name"]
     for k, v in cfg.items():
-        if k in NOT_SETTINGS or k in ("images_per_prompt", "prompt_types"):
+        if k in NOT_SETTINGS or k in ("images_per_prompt", "prompt_types", "protocol"):
             continue
         if k == "model" and isinstance(v, dict):
             v = {mk: mv for mk, mv in v.items() if mk not in NOT_MODEL_SETTINGS}
@@ -306,7 +347,8 @@ def parse_results(path: Path) -> Cell:
                 metrics=metrics, signatures=signatures(data), versions=data["versions"],
                 counts=data.get("counts") or {}, notes=list(data.get("notes") or []), mtime=path.stat().st_mtime,
                 config=method_config(data), seed=seed if _number(seed) else None, setting=settings(data),
-                problems=problems, digest=sha256_bytes(raw))
+                problems=problems, digest=sha256_bytes(raw), budget=budget_of(data),
+                served=data.get("served_from_cache") is not None)
 
 
 def find_result_files(runs: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Path]]:

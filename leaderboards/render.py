@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import base64
 import csv
-import html
 import io
 import math
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
 from emma.evidence import EVIDENCE_DIR, EvidenceError, missing_evidence, read_evidence
+from emma.results import higher_is_better
 from leaderboards.collect import Cell, FailedCell, InvalidCell, MissingCell
-from leaderboards.tables import Table, fmt, mean_metric, sort_value
+from leaderboards.tables import Table, fmt, sort_value
 
 
 def markdown(table: Table) -> str:
-    head = "| " + " | ".join(table.columns) + " |"
+    """The table in Markdown, headed by its budgets and what may be compared; metric columns
+    carry their direction (↑ higher is better, ↓ lower)."""
+    head = "| " + " | ".join(_header(table, c) for c in table.columns) + " |"
     sep = "|" + "|".join("---" if c not in table.metric_columns else "---:" for c in table.columns) + "|"
-    lines = [f"### {table.title}", "", head, sep]
+    lines = [f"### {table.title}", ""]
+    if table.budgets:
+        lines += ["Budget: " + table.budgets[0]] if len(table.budgets) == 1 else \
+            ["Budgets:", *[f"- {b}" for b in table.budgets]]
+        lines.append("")
+    if table.comparable:
+        lines += [f"Compare: {table.comparable}", ""]
+    lines += [head, sep]
     for row in table.rows:
         lines.append("| " + " | ".join(fmt(row.get(c)) if c in table.metric_columns else str(row.get(c, ""))
                                        for c in table.columns) + " |")
@@ -63,39 +71,62 @@ def csv_text(table: Table) -> str:
     return buf.getvalue()
 
 
-def plot_tradeoff(rows: list[list[Cell]], path: Path) -> bool:
-    """EA (mean over prompt types) vs RA (mean over types), one point per method (mean over
-    concepts) and a faint point per row (a concept; the mean over its seeds)."""
+def _interval(m: dict[str, Any] | None) -> tuple[float, float, float] | None:
+    """(value, low, high) of a metric record for a plot: its interval, or for a row pooled
+    over seeds its range; ``None`` without a finite value."""
+    if not isinstance(m, dict) or not _finite(m.get("value")):
+        return None
+    v = float(m["value"])
+    lo, hi = (m.get("min"), m.get("max")) if m.get("pooled") else (m.get("ci_low"), m.get("ci_high"))
+    return v, float(lo) if _finite(lo) else v, float(hi) if _finite(hi) else v
+
+
+def plot_tradeoff(main: Table, path: Path) -> bool:
+    """EA against RA (both over every prompt type), one point per row of the main table (a
+    method and concept at one setting) with its 95% intervals as error bars, labelled; one
+    colour and marker per method. Axes reach past 0 and 1 so that no point is cut."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for r in rows:
-        eas = [v for c in r if (v := mean_metric(c, "ea/")) is not None]
-        ras = [v for c in r if (v := mean_metric(c, "ra/")) is not None]
-        if eas and ras:
-            pts[r[0].display].append((sum(ras) / len(ras), sum(eas) / len(eas)))
+    pts = []
+    for r in main.rows:
+        ea, ra = _interval(r.get("ea")), _interval(r.get("ra"))
+        if ea and ra:
+            pts.append((r.get("_display") or r["method"], r["concept"], ra, ea))
     if not pts:
         return False
-    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=110)
-    cmap, markers = plt.get_cmap("tab20"), "osD^vP*Xh<>p"
-    for i, (method, xy) in enumerate(sorted(pts.items())):
-        color = cmap(i % 20)
-        ax.scatter([p[0] for p in xy], [p[1] for p in xy], color=color, alpha=0.25, s=14)
-        mx, my = sum(p[0] for p in xy) / len(xy), sum(p[1] for p in xy) / len(xy)
-        # methods at the same point stay visible: each is drawn smaller, on top of the ones before
-        size = max(20.0, 150.0 - 9.0 * i)
-        ax.scatter([mx], [my], color=color, s=size, marker=markers[i % len(markers)],
-                   label=f"{method} (n={len(xy)})", edgecolor="k")
-    ax.set_xlabel("RA (retaining ability, mean over prompt types)")
-    ax.set_ylabel("EA (erasing ability, mean over prompt types)")
-    ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{rows[0][0].domain}: erasing vs retaining")
+    methods = sorted({p[0] for p in pts})
+    fig, ax = plt.subplots(figsize=(7.0, 5.0), dpi=110)
+    cmap, markers = plt.get_cmap("tab10"), "osD^vP*Xh<>p"
+    label_points = len(pts) <= 24
+    placed: dict[tuple[float, float], int] = {}
+    for i, method in enumerate(methods):
+        mine = [p for p in pts if p[0] == method]
+        xs, ys = [p[2][0] for p in mine], [p[3][0] for p in mine]
+        xerr = [[p[2][0] - p[2][1] for p in mine], [p[2][2] - p[2][0] for p in mine]]
+        yerr = [[p[3][0] - p[3][1] for p in mine], [p[3][2] - p[3][0] for p in mine]]
+        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt=markers[i % len(markers)], color=cmap(i % 10),
+                    ecolor=cmap(i % 10), elinewidth=1, capsize=2, markersize=7, markeredgecolor="k",
+                    alpha=0.9, label=method)
+        if label_points:
+            for x, y, p in zip(xs, ys, mine):
+                # labels of points at one place are stacked, not drawn over each other
+                spot = (round(x, 2), round(y, 2))
+                row = placed.get(spot, 0)
+                placed[spot] = row + 1
+                right = x < 0.75  # near the right edge the label goes to the left of its point
+                ax.annotate(f"{method} · {p[1]}", (x, y), xytext=(6 if right else -6, 4 - 10 * row),
+                            textcoords="offset points", fontsize=7, color=cmap(i % 10),
+                            ha="left" if right else "right")
+    ax.set_xlabel("RA ↑ (retaining ability, every prompt type)")
+    ax.set_ylabel("EA ↑ (erasing ability, every prompt type)")
+    ax.set_xlim(-0.06, 1.12)
+    ax.set_ylim(-0.06, 1.08)
+    ax.set_title(f"{main.domain}: erasing against retaining (95% intervals)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.legend(fontsize=8, loc="lower left", framealpha=0.85)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -104,6 +135,8 @@ def plot_tradeoff(rows: list[list[Cell]], path: Path) -> bool:
 
 
 def plot_asr(table: Table, path: Path) -> bool:
+    """The attacker x method ASR matrix as a heat map (for leaderboard.md; the page draws it as
+    an HTML table): cells sized so that labels and values stay legible."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,17 +147,18 @@ def plot_asr(table: Table, path: Path) -> bool:
     methods = table.metric_columns
     grid = np.array([[sort_value(r.get(m)) if r.get(m) else np.nan for m in methods] for r in table.rows],
                     dtype=float)
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.5 + 0.8 * len(methods)), max(3.0, 1.5 + 0.5 * len(attackers))), dpi=110)
-    im = ax.imshow(grid, vmin=0, vmax=1, cmap="Reds")
-    ax.set_xticks(range(len(methods)), methods, rotation=45, ha="right", fontsize=8)
-    ax.set_yticks(range(len(attackers)), attackers, fontsize=8)
+    width = min(16.0, 2.5 + 1.1 * len(methods))
+    fig, ax = plt.subplots(figsize=(width, 1.6 + 0.45 * len(attackers)), dpi=110)
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="Reds", aspect="auto")
+    ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=9)
+    ax.set_yticks(range(len(attackers)), attackers, fontsize=9)
     for i in range(len(attackers)):
         for j in range(len(methods)):
             if not math.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=9,
                         color="white" if grid[i, j] > 0.6 else "black")
-    ax.set_title(f"{table.domain}: ASR (attacker x method)", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.04)
+    ax.set_title(f"{table.domain}: ASR ↓ (attacker x method, mean over concepts)", fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -134,6 +168,10 @@ def plot_asr(table: Table, path: Path) -> bool:
 
 def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 SCRIPT = """
@@ -161,45 +199,65 @@ function sortTable(th) {
 }
 document.addEventListener('DOMContentLoaded', () => {
   document.querySelectorAll('table.board th').forEach(th => th.addEventListener('click', () => sortTable(th)));
+  // a link to a cell's evidence opens it
+  document.querySelectorAll('a[href^="#cell-"]').forEach(a => a.addEventListener('click', () => {
+    const d = document.getElementById(a.getAttribute('href').slice(1)); if (d) d.open = true;
+  }));
 });
 """
 
-STYLE = """
-body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-table.board { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
-table.board th, table.board td { border: 1px solid #ccc; padding: 3px 7px; }
-table.board th { background: #eef; cursor: pointer; white-space: nowrap; }
-table.board th.asc::after { content: ' \\25B2'; } table.board th.desc::after { content: ' \\25BC'; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-.grid { display: flex; flex-wrap: wrap; gap: 6px; }
-.grid figure { margin: 0; width: 112px; font-size: 10px; }
-.grid img { width: 96px; height: 96px; image-rendering: pixelated; border: 3px solid #aaa; }
-.grid figure.hit img { border-color: #c00; }
-.evidence { border-top: 1px solid #ddd; padding-top: 0.5em; margin-top: 1em; }
-.failed { color: #a00; } .note { color: #555; font-size: 12px; }
-img.plot { max-width: 520px; margin-right: 1em; }
-"""
+#: the page's style sheet
+STYLE_SHEET = "page.css"
 
 
-def _table_html(table: Table, with_links: bool) -> str:
-    out = [f"<h3>{html.escape(table.title)}</h3>", f'<table class="board" id="{table.name}">', "<thead><tr>"]
-    cols = table.columns + (["evidence"] if with_links else [])
-    out += [f"<th>{html.escape(c)}</th>" for c in cols] + ["</tr></thead><tbody>"]
-    for row in table.rows:
-        out.append("<tr>")
-        for c in table.columns:
-            if c in table.metric_columns:
-                sv = sort_value(row.get(c))
-                sv = "" if isinstance(sv, float) and math.isnan(sv) else sv
-                out.append(f'<td class="num" data-sort="{sv}">{html.escape(fmt(row.get(c)))}</td>')
-            else:
-                out.append(f"<td>{html.escape(str(row.get(c, '')))}</td>")
-        if with_links:
-            n = row.get("_evidence", 0)
-            out.append(f'<td data-sort="{n}"><a href="#{row["_anchor"]}">{n} image(s)</a></td>')
-        out.append("</tr>")
-    out.append("</tbody></table>")
-    return "\n".join(out)
+def _header(table: Table, column: str) -> str:
+    """A column's heading: metric columns carry their direction (↑ higher is better, ↓ lower)."""
+    if column not in table.metric_columns:
+        return {"asr_by": "ASR by", "n_seeds": "seeds"}.get(column, column)
+    key = "asr" if table.kind == "asr" else column
+    arrow = {True: " ↑", False: " ↓"}.get(higher_is_better(key), "")
+    name = {"ea": "EA", "ra": "RA", "asr": "ASR", "fid": "FID"}.get(column, column) if table.kind == "main" else column
+    return name + arrow
+
+
+def _header_title(table: Table, column: str) -> str:
+    return {"ea": "erasing ability over every EA prompt type: share of target images without the concept",
+            "ra": "retaining ability over every RA prompt type: share of other-concept images that keep it",
+            "asr": "attack success rate of the strongest attacker that ran (ASR by names it)",
+            "fid": "Fréchet distance to the domain's reference (lower is closer)",
+            "asr_by": "the attacker whose ASR is shown"}.get(column, "") if table.kind == "main" else ""
+
+
+def _value(m: Any, digits: int = 3) -> str:
+    return fmt(m, digits) if isinstance(m, dict) else ("" if m is None else str(m))
+
+
+def _sort_key(m: Any) -> Any:
+    sv = sort_value(m)
+    return "" if isinstance(sv, float) and math.isnan(sv) else sv
+
+
+def _cell_title(m: Any) -> str:
+    """The hover text of a value: its n, interval method and note."""
+    if not isinstance(m, dict):
+        return ""
+    parts = [f"n = {m['n']}" if m.get("n") is not None else ""]
+    if m.get("n_clusters") is not None:
+        parts.append(f"{m['n_clusters']} prompts/batches")
+    if m.get("method"):
+        parts.append(f"interval: {m['method']}")
+    if m.get("note"):
+        parts.append(str(m["note"]))
+    return "; ".join(p for p in parts if p)
+
+
+def _heat_style(m: Any) -> str:
+    v = sort_value(m) if isinstance(m, dict) else float("nan")
+    if not isinstance(v, float) or math.isnan(v):
+        return "background:#f4f4f4;color:#999"
+    v = min(1.0, max(0.0, v))
+    shade = int(255 - 175 * v)  # white -> red as ASR rises
+    return f"background:rgb(255,{shade},{shade});color:{'#fff' if v > 0.65 else '#222'}"
 
 
 def evidence_problem(cell: Cell) -> str | None:
@@ -212,30 +270,36 @@ def evidence_problem(cell: Cell) -> str | None:
     return f"{cell.path / EVIDENCE_DIR}: {gone} image file(s) of the evidence index are missing" if gone else None
 
 
-def _evidence_html(cell: Cell) -> str:
+#: evidence images per cell on the page (a cell run with ``evidence_images=null`` exports all)
+PAGE_EVIDENCE = 24
+
+
+def _evidence(cell: Cell) -> dict[str, Any]:
+    """One cell's evidence for the page: its heading (coordinates only, never a build path)
+    and each image with the base model's twin where stored."""
     try:
         items = read_evidence(cell.path)
     except EvidenceError:
         items = []
-    head = (f'<div class="evidence" id="{cell.anchor}"><h4>{html.escape(cell.domain)} / '
-            f"{html.escape(cell.label or cell.method)} / {html.escape(cell.concept)} / "
-            f"{html.escape(cell.attacker)}{f' / seed {cell.seed}' if cell.seed is not None else ''}"
-            f"{f' / {html.escape(cell.variant)}' if cell.variant else ''} "
-            f"<span class='note'>({html.escape(str(cell.path))})</span></h4>")
-    if not items:
-        return head + "<p class='note'>no images stored with this cell</p></div>"
+    folder = cell.path / EVIDENCE_DIR
+    heading = " / ".join([cell.domain, cell.label or cell.method, cell.concept, cell.attacker]
+                         + ([f"seed {cell.seed}"] if cell.seed is not None else [])
+                         + ([cell.variant] if cell.variant else []))
     hits = sum(1 for e in items if e["detected"])
-    figs = []
-    for e in items:
-        uri = _data_uri(cell.path / EVIDENCE_DIR / e["file"])
-        cls = "hit" if e["detected"] else "miss"
-        cap = (f"{'CAME BACK' if e['detected'] else 'erased'} ({e['score']:.2f}) [{e['group']}/{e['kind']}] "
-               f"{e['prompt']} (seed {e['seed']})")
-        figs.append(f'<figure class="{cls}"><img src="{uri}" alt="{html.escape(e["prompt"])}">'
-                    f"<figcaption>{html.escape(cap)}</figcaption></figure>")
-    return (head + f"<p class='note'>{hits} image(s) in which the judge found '{html.escape(cell.concept)}' "
-            "(red frame), then images where it did not</p>"
-            + '<div class="grid">' + "".join(figs) + "</div></div>")
+    out = []
+    for e in items[:PAGE_EVIDENCE]:
+        base = e.get("base_file")
+        base_ok = isinstance(base, str) and base == Path(base).name and (folder / base).is_file()
+        out.append({"src": _data_uri(folder / e["file"]), "base": _data_uri(folder / base) if base_ok else "",
+                    "detected": bool(e["detected"]),
+                    "label": f"{e['concept']} found" if e["detected"] else f"{e['concept']} not found",
+                    "score": float(e["score"]), "prompt": e["prompt"], "seed": e["seed"], "group": e["group"],
+                    "kind": e["kind"]})
+    summary_text = (f"{len(items)} image(s), the concept found in {hits}" if items else "no images")
+    if len(items) > PAGE_EVIDENCE:
+        summary_text += f"; the first {PAGE_EVIDENCE} shown, every one is in {EVIDENCE_DIR}/ of the cell"
+    return {"anchor": cell.anchor, "heading": heading, "summary": summary_text, "images": out,
+            "model_label": f"{cell.label or cell.method}"}
 
 
 def summary(cells: Sequence[Cell], failed: Sequence[FailedCell], invalid: Sequence[InvalidCell] = (),
@@ -258,35 +322,41 @@ def problem_lines(failed: Sequence[FailedCell], invalid: Sequence[InvalidCell],
     return out
 
 
+def _environment() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.globals.update(header=_header, header_title=_header_title, value=_value, sort_key=_sort_key,
+                       cell_title=_cell_title, heat_style=_heat_style)
+    return env
+
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
 def page(tables: list[Table], cells: list[Cell], failed: list[FailedCell], plots: dict[str, list[Path]],
          notes: list[str], invalid: Sequence[InvalidCell] = (), missing: Sequence[MissingCell] = ()) -> str:
+    """The self-contained HTML page (``leaderboards/templates/page.html.j2``): per domain the
+    main table with its budget, the EA-vs-RA plot and the ASR heat map, the full tables folded
+    below; then every cell's image evidence, folded."""
     pooled = any(isinstance(r.get(m), dict) and r[m].get("pooled") for t in tables for r in t.rows
                  for m in t.metric_columns)
-    body = ["<h1>EMMA leaderboard</h1>",
-            f"<p class='note'>{summary(cells, failed, invalid, missing)}. Click a column header to sort; "
-            "values are point estimates with 95% intervals"
-            + ("; rows of several seeds show the mean over seeds with its range (min–max) and the number of seeds"
-               if pooled else "") + ".</p>"]
-    for title, lines in problem_lines(failed, invalid, missing):
-        body.append(f"<h2 class='failed'>{html.escape(title)}</h2><ul class='failed'>")
-        body += [f"<li>{html.escape(line)}</li>" for line in lines]
-        body.append("</ul>")
-    for n in notes:
-        body.append(f"<pre class='note'>{html.escape(n)}</pre>")
-    domains = sorted({t.domain for t in tables})
-    for d in domains:
-        body.append(f"<h2>{html.escape(d)}</h2>")
-        for p in plots.get(d, []):
-            body.append(f'<img class="plot" src="{_data_uri(p)}" alt="{html.escape(p.stem)}">')
-        for t in tables:
-            if t.domain == d:
-                body.append(_table_html(t, with_links=t.kind != "asr"))
-    body.append("<h2>Image evidence</h2>")
-    body += [_evidence_html(c) for c in sorted(cells, key=lambda c: (c.domain, c.label, c.concept, c.attacker,
-                                                                     c.variant, str(c.seed)))]
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>EMMA leaderboard</title>"
-            f"<style>{STYLE}</style><script>{SCRIPT}</script></head><body>"
-            + "\n".join(body) + "</body></html>\n")
+    domains = []
+    for d in sorted({t.domain for t in tables}):
+        mine = [t for t in tables if t.domain == d]
+        tradeoff = next((p for p in plots.get(d, []) if p.stem.endswith("_ea_vs_ra")), None)
+        domains.append({"name": d, "main": next((t for t in mine if t.kind == "main"), None),
+                        "asr": next((t for t in mine if t.kind == "asr"), None),
+                        "details": [t for t in mine if t.kind in ("methods", "attacks")],
+                        "tradeoff": _data_uri(tradeoff) if tradeoff is not None else ""})
+    evidence = [_evidence(c) for c in sorted(cells, key=lambda c: (c.domain, c.label, c.concept, c.attacker,
+                                                                   c.variant, str(c.seed)))]
+    return _environment().get_template("page.html.j2").render(
+        style=(TEMPLATES / STYLE_SHEET).read_text(encoding="utf-8"), script=SCRIPT,
+        summary=summary(cells, failed, invalid, missing), pooled=pooled,
+        problems=[{"title": title, "lines": lines} for title, lines in problem_lines(failed, invalid, missing)],
+        notes=notes, domains=domains, evidence=evidence)
 
 
 def row_dicts(table: Table) -> list[dict[str, Any]]:

@@ -62,7 +62,7 @@ def test_attack_beats_the_static_suite_on_an_erased_model(attacker, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     attacked = [x for x in lines if x["group"] == "attack"]
     static = [x for x in lines if x["group"] == "ea"]
-    assert len(attacked) == len(static) == 5 * n and {x["attack"] for x in attacked} == {attacker}
+    assert len(attacked) == len(static) == 5 * n and {x["attacker"] for x in attacked} == {attacker}
     # the erased model hides the circle from the static prompts' images, the attack brings it back:
     # more images with the circle, one-sided Fisher exact test on the 5n + 5n images
     k_atk, k_static = sum(x["detected"] for x in attacked), sum(x["detected"] for x in static)

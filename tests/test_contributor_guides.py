@@ -109,7 +109,7 @@ def test_attacker_guide_example_attacks_with_its_suffix(tmp_path):
     assert res["versions"]["components"]["attacker"] == {"name": "toy_suffix", "version": "1",
                                                          "suffix": ", highly detailed"}
     attacked = [s for s in samples if s["group"] == "attack"]
-    assert [(s["prompt"], s["adversarial_prompt"], s["attack"]) for s in attacked] == [
+    assert [(s["prompt"], s["adversarial_prompt"], s["attacker"]) for s in attacked] == [
         ("an image of a circle, highly detailed", "an image of a circle, highly detailed", "toy_suffix")]
     # the optional capabilities reach results.json
     assert res["metrics"]["toy/queries"]["value"] == 1.0

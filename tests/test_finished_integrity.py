@@ -23,7 +23,7 @@ from tests.conftest import ROOT, run_env
 
 CELL = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", "metrics=rates_only",
         "prompt_types=[name]", "images_per_prompt=1"]
-DAMAGES = ("truncate_results", "edit_value", "truncate_samples", "missing_key_file", "no_manifest")
+DAMAGES = ("truncate_results", "edit_value", "truncate_samples", "missing_key_file", "no_manifest", "edit_evidence")
 
 
 def _cfg(cache: Path):
@@ -40,6 +40,15 @@ def _samples(run_dir: Path) -> list[dict]:
     """samples.jsonl less ``cached`` (a recomputed cell finds its images in the cache)."""
     lines = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     return [{k: v for k, v in x.items() if k != "cached"} for x in lines]
+
+
+def _unserved(path: Path) -> dict:
+    """A results.json less its ``served_from_cache`` record (a served copy says when it was served)."""
+    return {k: v for k, v in json.loads(path.read_text()).items() if k != "served_from_cache"}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 def _entry(cache: Path) -> Path:
@@ -59,7 +68,8 @@ def clean(tmp_path_factory):
         mp.undo()
     assert result.counts["cache_repairs"] == 0 and "ea/name" in result.metrics
     entry = _entry(root / "cache")
-    assert sorted(p.name for p in entry.iterdir()) == ["key.json", "manifest.json", "results.json", "samples.jsonl"]
+    assert sorted(p.name for p in entry.iterdir()) == ["evidence", "key.json", "manifest.json", "results.json",
+                                                       "samples.jsonl"]
     return root / "cache", root / "clean", _rates(result.metrics)
 
 
@@ -90,6 +100,11 @@ def _damage(entry: Path, how: str) -> None:
         (entry / "key.json").unlink()
     elif how == "no_manifest":  # an entry stored before manifests existed: unverifiable
         (entry / "manifest.json").unlink()
+    elif how == "edit_evidence":  # an evidence image with other pixels, same size
+        image = sorted((entry / "evidence").glob("*.png"))[0]
+        data = bytearray(image.read_bytes())
+        data[-20] ^= 0xFF
+        image.write_bytes(bytes(data))
     else:
         raise AssertionError(how)
 
@@ -99,7 +114,7 @@ def test_damaged_entry_is_quarantined_and_recomputed(clean, how, tmp_path, monke
     cache = _copy_cache(clean, tmp_path, monkeypatch)
     entry = _entry(cache)
     _damage(entry, how)
-    damaged = {p.name: p.read_bytes() for p in entry.iterdir()}
+    damaged = _files(entry)
     cfg = _cfg(cache)
     # a pre-flight lookup only declines a damaged entry; the cell's own lookup repairs it
     assert finished.entry(cfg) is None and entry.is_dir()
@@ -116,11 +131,12 @@ def test_damaged_entry_is_quarantined_and_recomputed(clean, how, tmp_path, monke
 
     # the damaged entry is kept, as it was, in the quarantine; a verified one replaces it
     (moved,) = (cache / "quarantine").rglob(f"{entry.name}.*")
-    assert {p.name: p.read_bytes() for p in moved.iterdir()} == damaged
+    assert _files(moved) == damaged
     assert finished.entry(cfg) == entry
     served = run_cell(cfg, tmp_path / "again")
     assert served.counts["cache_repairs"] == 1  # the stored result of the repaired run, as it was
-    assert (tmp_path / "again" / "results.json").read_bytes() == (tmp_path / "run" / "results.json").read_bytes()
+    assert _unserved(tmp_path / "again" / "results.json") == _unserved(tmp_path / "run" / "results.json")
+    assert json.loads((tmp_path / "again" / "results.json").read_text())["served_from_cache"]["key"] == entry.name
     assert len(list((cache / "quarantine").rglob(f"{entry.name}.*"))) == 1  # nothing more quarantined
 
 
@@ -128,8 +144,8 @@ def test_an_intact_entry_is_served_and_repairs_nothing(clean, tmp_path, monkeypa
     cache = _copy_cache(clean, tmp_path, monkeypatch)
     result = run_cell(_cfg(cache), tmp_path / "run")
     assert result.counts["cache_repairs"] == 0 and _rates(result.metrics) == clean[2]
-    for f in finished.FILES:
-        assert (tmp_path / "run" / f).read_bytes() == (clean[1] / f).read_bytes()
+    assert _unserved(tmp_path / "run" / "results.json") == _unserved(clean[1] / "results.json")
+    assert (tmp_path / "run" / "samples.jsonl").read_bytes() == (clean[1] / "samples.jsonl").read_bytes()
     assert not (cache / "quarantine").exists()
 
 
@@ -168,4 +184,6 @@ def test_resumed_sweep_reruns_a_cell_with_a_truncated_results_json(tmp_path):
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and str(done) in warnings[0] and "running the cell again" in warnings[0]
     assert "kept" not in resumed.stdout
-    assert done.read_bytes() == first  # served again from the finished-cell cache, whole
+    # served again from the finished-cell cache, whole (and saying so)
+    assert _unserved(done) == {k: v for k, v in json.loads(first).items() if k != "served_from_cache"}
+    assert json.loads(done.read_text())["served_from_cache"] is not None

@@ -53,3 +53,49 @@ def test_ultralytics_imports_with_the_headless_cv2():
     from ultralytics.nn.tasks import ClassificationModel  # noqa: F401  (imports cv2)
 
     assert ultralytics.__version__
+
+
+def _declared(section: str = "install_requires") -> list[str]:
+    import configparser
+    import re
+    from pathlib import Path
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    lines = [x.split("#")[0].strip() for x in cfg["options"][section].splitlines()]
+    return [re.split(r"[<>=!~ ]", x, maxsplit=1)[0] for x in lines if x]
+
+
+#: declared distributions that the package does not import, with the reason they are needed
+NOT_IMPORTED = {"accelerate": "diffusers loads pipelines through it"}
+IMPORT_NAMES = {"hydra-core": "hydra", "pillow": "PIL", "open-clip-torch": "open_clip", "PyYAML": "yaml",
+                "clean-fid": "cleanfid"}
+
+
+def test_every_declared_dependency_is_imported_by_the_package():
+    """No dependency is declared and left unused (torchmetrics was); torch is a range."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    folders = ("emma", "leaderboards", "classifiers", "attackers", "stace", "hydra_plugins")
+    code = "\n".join(p.read_text(encoding="utf-8") for d in folders for p in (root / d).rglob("*.py"))
+    declared = _declared()
+    assert "torchmetrics" not in declared and not any(x.startswith("torch==") for x in declared)
+    unused = [d for d in declared if d not in NOT_IMPORTED and not re.search(
+        rf"^\s*(import|from) {re.escape(IMPORT_NAMES.get(d, d).replace('-', '_'))}\b", code, re.M)]
+    assert unused == []
+
+
+def test_console_scripts_name_the_cli_entry_points():
+    import configparser
+    import importlib
+    from pathlib import Path
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines())
+    assert set(scripts) == {"emma-run", "emma-leaderboard"}
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func))

@@ -25,13 +25,14 @@ window.addEventListener('error', e => window.__errors.push(String(e.message)));
 const _err = console.error; console.error = (...a) => { window.__errors.push(a.join(' ')); _err(...a); };
 window.addEventListener('load', () => {
   const t = document.getElementById('tinyworld_methods');
-  const col = Array.from(t.tHead.rows[0].cells).findIndex(th => th.textContent === 'ra/random');
+  const col = Array.from(t.tHead.rows[0].cells).findIndex(th => th.textContent === 'ra/random ↑');
   const order = () => Array.from(t.tBodies[0].rows).map(r => r.cells[1].textContent);
   const before = order();
   t.tHead.rows[0].cells[col].click(); const asc = order();
   t.tHead.rows[0].cells[col].click(); const desc = order();
   const imgs = Array.from(document.images);
-  const out = {before, asc, desc, images: imgs.length,
+  const out = {before, asc, desc, images: imgs.length, width: document.documentElement.scrollWidth,
+               sortable: typeof sortTable === 'function', main: !!document.getElementById('tinyworld_main'),
                loaded: imgs.filter(i => i.complete && i.naturalWidth > 0).length, errors: window.__errors};
   const pre = document.createElement('pre'); pre.id = 'probe'; pre.textContent = JSON.stringify(out);
   document.body.appendChild(pre);
@@ -72,7 +73,7 @@ def test_html_renders_sorts_and_logs_no_errors(tmp_path):
     probe = tmp_path / "probe.html"
     probe.write_text(html.replace("</body>", PROBE + "</body>"))
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
-             "--enable-logging=stderr", "--v=0"]
+             "--enable-logging=stderr", "--v=0", "--window-size=1280,900"]
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
                          timeout=180)
     m = re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S)
@@ -81,13 +82,14 @@ def test_html_renders_sorts_and_logs_no_errors(tmp_path):
     assert out["before"] == ["esd", "none", "uce"]  # the build sorts rows by method
     assert out["asc"] == ["esd", "none", "uce"]  # RA 0.70 < 0.85 < 0.95
     assert out["desc"] == ["uce", "none", "esd"]
-    assert out["images"] == 9 + 2 and out["loaded"] == out["images"]  # evidence + 2 plots
-    assert out["errors"] == []
+    assert out["images"] == 9 + 1 and out["loaded"] == out["images"]  # evidence + the EA-vs-RA plot
+    assert out["errors"] == [] and out["sortable"] and out["main"]
+    assert out["width"] <= 1280  # nothing wider than the window: wide tables scroll inside their box
     assert "Uncaught" not in dom.stderr and ":ERROR:CONSOLE" not in dom.stderr
 
     shot = tmp_path / "shot.png"
-    subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", "--window-size=1200,900",
+    subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}",
                     (tmp_path / "board" / "index.html").as_uri()], capture_output=True, timeout=180, check=True)
     pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
-    assert pixels.shape == (900, 1200)
+    assert pixels.shape == (900, 1280)
     assert pixels.std() > 10 and (pixels < 128).mean() > 0.01  # text, tables and plots, not a blank page

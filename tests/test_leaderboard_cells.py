@@ -159,8 +159,10 @@ def test_the_same_seed_twice_counts_once_and_different_numbers_are_both_kept(rea
 
 # ------------------------------------------------------------------ budgets never replace each other
 @pytest.mark.parametrize("edit, shown", [
-    (lambda d: d["config"].update(images_per_prompt=12), "images_per_prompt=12"),
-    (lambda d: d["config"].update(prompt_types=["name", "random"]), "prompt_types=name,random"),
+    (lambda d: (d["config"].update(images_per_prompt=12), d["budget"].update(images_per_prompt=12)),
+     "images_per_prompt=12"),
+    (lambda d: (d["config"].update(prompt_types=["name", "random"]),
+                d["budget"].update(prompt_types=["name", "random"])), "prompt_types=name,random"),
     (lambda d: d["counts"].update(attack_budget_iterations=5), "attack_budget_iterations=5"),
     (lambda d: d["config"]["model"].update(guidance_scale=7.5), "model.guidance_scale=7.5"),
 ])
@@ -186,6 +188,73 @@ def test_a_cell_at_another_budget_is_its_own_row_with_the_reason(readme_sweep, t
     assert f"| {small['setting']} |" in md
     asr = next(t for t in board.tables if t.kind == "asr")
     assert len(asr.metric_columns) == 2  # one ASR column per setting, never one mixing them
+
+
+def test_a_full_cell_and_a_12_image_cell_are_split_with_their_budgets_shown(readme_sweep, tmp_path):
+    """A quick 12-image run beside the full run: never merged, never one replacing the other;
+    each table and the page state both budgets and that only rows of one setting compare."""
+    from leaderboards.build import build
+
+    src = _cell(readme_sweep, "uce", "circle")
+    full_ipp = json.loads((src / "results.json").read_text())["config"]["domain"]["images_per_prompt"]
+    assert full_ipp != 12
+
+    def full(data):
+        data["config"]["images_per_prompt"] = None  # the domain's default, as a default cell records it
+        data["budget"].update(images_per_prompt=full_ipp, n={"ea/name": full_ipp, "fid": 9 * full_ipp})
+        data["metrics"]["fid"] = {"value": 7.2, "ci_low": 6.0, "ci_high": 8.9, "n": 9 * full_ipp}
+
+    def quick(data):
+        data["config"]["images_per_prompt"] = 12
+        data["budget"].update(images_per_prompt=12, n={"ea/name": 12, "fid": 12})
+        data["metrics"]["fid"] = {"value": 30.1, "ci_low": 25.0, "ci_high": 41.0, "n": 12}
+        data["metrics"]["ea/name"]["value"] = 0.5
+
+    _copy(src, tmp_path / "runs" / "full", full)
+    _copy(src, tmp_path / "runs" / "quick", quick)
+    board = build([tmp_path / "runs"], tmp_path / "board")
+    main = next(t for t in board.tables if t.kind == "main")
+    assert sorted(r["fid"]["value"] for r in main.rows) == [7.2, 30.1] and "setting" in main.columns
+    assert {r["setting"] for r in main.rows} == {f"images_per_prompt={full_ipp}", "images_per_prompt=12"}
+    assert any(f"{full_ipp} images per prompt" in b for b in main.budgets)
+    assert any("12 images per prompt" in b for b in main.budgets)
+    assert "compare numbers only between rows of the same setting" in main.comparable
+    assert "FID's n differs between rows" in main.comparable
+    (note,) = [n for n in board.notes if "never merged" in n]
+    assert "images_per_prompt" in note
+    page = (tmp_path / "board" / "index.html").read_text()
+    assert "images_per_prompt=12" in page and "12 images per prompt" in page
+    assert "compare numbers only between rows of the same setting" in page
+    md = (tmp_path / "board" / "tinyworld_main.md").read_text()
+    assert "Budgets:" in md and "12 images per prompt" in md and "FID ↓" in md and "EA ↑" in md
+
+
+def test_a_sweep_loads_in_one_line_with_pandas_and_datasets(readme_sweep, tmp_path):
+    """Folder names a glob reads literally; every cell's metrics in one pandas frame; every
+    judged image of the sweep in one ``datasets`` table with one schema."""
+    import datasets
+    import pandas as pd
+
+    from emma.results import SAMPLE_FIELDS, load_frame, load_samples
+
+    names = [p.name for p in readme_sweep.iterdir() if p.is_dir()]
+    assert names and not any(ch in n for n in names for ch in "[]{}*? '\"")
+    assert any("prompt_types=name" in n for n in names)
+    frame = load_frame(readme_sweep)
+    assert len(frame) == sum(len(json.loads(p.read_text())["metrics"]) for p in readme_sweep.glob("*/results.json"))
+    assert set(frame["method"]) == {"none", "uce"} and set(frame["concept"]) == {"circle", "star"}
+    flat = pd.concat(map(pd.read_csv, sorted(readme_sweep.glob("*/metrics.csv"))))
+    assert sorted(flat["value"].round(9).tolist()) == sorted(frame["value"].round(9).tolist())
+    ds = datasets.load_dataset("json", data_files=str(readme_sweep / "*" / "samples.jsonl"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    lines = [json.loads(x) for p in readme_sweep.glob("*/samples.jsonl") for x in p.read_text().splitlines()]
+    assert ds.num_rows == len(lines) > 0 and list(ds.column_names) == list(SAMPLE_FIELDS)
+    assert set(ds["method"]) == {"none", "uce"} and set(ds["group"]) >= {"ea", "attack"}
+    typed = load_samples(readme_sweep, cache_dir=tmp_path / "hf2")  # the same, its schema stated
+    assert typed.num_rows == ds.num_rows and typed.features["score"].dtype == "float64"
+    exported = [(p.parent / r["image"]) for p in readme_sweep.glob("*/samples.jsonl")
+                for r in map(json.loads, p.read_text().splitlines()) if r["image"]]
+    assert exported and all(path.is_file() for path in exported)  # the image beside its row
 
 
 def test_the_default_images_per_prompt_is_the_same_setting_as_its_value(readme_sweep, tmp_path):
@@ -294,7 +363,8 @@ def test_an_edit_that_keeps_size_and_mtime_is_rebuilt(readme_sweep, tmp_path):
     path = cell / "results.json"
     st = path.stat()
     text = path.read_text()
-    edited = text.replace('"value": 1.0,', '"value": 0.5,', 1)
+    at = text.index('"ea/name": {')
+    edited = text[:at] + text[at:].replace('"value": 1.0,', '"value": 0.5,', 1)
     assert edited != text and len(edited) == len(text)
     path.write_text(edited)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -50,6 +50,32 @@ def test_a_crashing_cell_does_not_stop_the_sweep_and_is_reported(sweep):
     assert "WeightsUnavailableError" in err["error"] and MISSING_WEIGHTS in err["error"]
 
 
+def test_a_resumed_sweep_submits_no_job_for_a_finished_cell(sweep, tmp_path):
+    """The same sweep again into a copy of its folder: the finished cell is kept without a job
+    (no new submitit folder for it), the failed one runs again; progress is printed as it goes."""
+    root, first = sweep
+    again = tmp_path / "sweep"
+    shutil.copytree(root / "sweep", again)
+    before = {p.name for p in (again / ".submitit").iterdir()}
+    cells = [c for c in CELL if not c.startswith("classifier.weights=")]
+    proc = subprocess.run([sys.executable, "-m", "emma.run", "-m", "hydra/launcher=local", *cells, "logger=wandb",
+                           f"classifier.weights=null,{MISSING_WEIGHTS}", f"hydra.sweep.dir={again}"],
+                          cwd=ROOT, env=run_env(root / "cache", WANDB_MODE="offline"), capture_output=True,
+                          text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log[-3000:]  # the failing cell still fails
+    report = json.loads((again / "sweep_report.json").read_text())
+    kept, rerun = report["cells"]
+    assert kept["kept"] is True and kept["job_id"] is None and kept["status"] == "completed"
+    assert rerun["status"] == "failed" and rerun["job_id"]
+    new = {p.name for p in (again / ".submitit").iterdir()} - before
+    assert new == {str(rerun["job_id"])}  # one job: the unfinished cell's
+    assert "(finished: " in log and "no job)" in log
+    assert "sweep: 1 done (1 kept), " in log and ", 1 failed" in log
+    first_log = first.stdout + first.stderr
+    assert "sweep: 0 done, " in first_log and "sweep: 1 done, 0 running, 0 waiting, 1 failed" in first_log
+
+
 def _wandb_files(run_dir: Path) -> dict[str, Path]:
     return {p.relative_to(run_dir).as_posix(): p for p in run_dir.rglob("*") if p.is_file()}
 
@@ -97,10 +123,12 @@ def test_leaderboard_rows_failed_cells_and_incremental_rebuild(sweep, tmp_path):
     ra = res["metrics"]["ra/random"]
     assert f"{ra['value']:.3f} [{ra['ci_low']:.3f}, {ra['ci_high']:.3f}]" in md
     csv = (tmp_path / "board" / "tinyworld_methods.csv").read_text().splitlines()
-    assert csv[0].startswith("model,method,concept,attacker,n_seeds,ea/name,ea/name_ci_low")
+    assert csv[0].startswith("model,method,concept,attacker,n_seeds,ea,ea_ci_low,ea_ci_high,ea_n,"
+                             "ea/name,ea/name_ci_low")
     html = (tmp_path / "board" / "index.html").read_text()
     assert "Failed cells" in html and MISSING_WEIGHTS in html
-    assert html.count("data:image/png;base64,") == res["counts"]["evidence_images"] + 2  # + 2 plots
+    # the evidence images (method none: no base-model twins) + the EA-vs-RA plot (the ASR map is a table)
+    assert html.count("data:image/png;base64,") == res["counts"]["evidence_images"] + 1
     assert (tmp_path / "board" / "plots" / "tinyworld_ea_vs_ra.png").stat().st_size > 1000
 
     again = build([root / "sweep"], tmp_path / "board")
@@ -184,7 +212,7 @@ def test_unknown_schema_version_is_a_clear_error(sweep, tmp_path, capsys):
     _copy_cell(cell, tmp_path / "future", lambda d: d.update(schema_version=7))
     assert main([str(tmp_path / "future"), "--out", str(tmp_path / "board")]) == 2
     err = capsys.readouterr().err
-    assert "schema_version 7 is unknown; this harness reads schema versions 1, 2 " in err
+    assert "schema_version 7 is unknown; this harness reads schema versions 1, 2, 3 " in err
     assert (cell / "results.json").exists()
 
 
@@ -253,7 +281,7 @@ def test_an_unknown_schema_version_fails_in_both_readers_naming_the_valid_ones(t
 
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"schema_version": 99, "cell": {}, "metrics": {}, "versions": {}}))
-    expected = f"{path}: schema_version 99 is unknown; this harness reads schema versions 1, 2 "
+    expected = f"{path}: schema_version 99 is unknown; this harness reads schema versions 1, 2, 3 "
     with pytest.raises(ResultsFileError) as harness:
         CellResult.load(path)
     with pytest.raises(LeaderboardError) as board:

@@ -100,11 +100,14 @@ def _result(**metrics: MetricValue) -> CellResult:
                       versions={}, timing={}, counts={}, provenance={"fid": {"name": "x"}})
 
 
-def test_results_schema_2_round_trips_and_schema_1_still_loads(tmp_path):
+def test_results_schema_3_round_trips_and_schema_1_still_loads(tmp_path):
     r = _result(asr=MetricValue(0.5, 0.2, 0.8, n=10, method="wilson", n_clusters=10))
+    r.budget = {"images_per_prompt": 4, "n": {"asr": 10}}
+    r.served_from_cache = {"key": "k"}
     r.save(tmp_path / "r.json")
     back = CellResult.load(tmp_path / "r.json")
-    assert back.metrics == r.metrics and back.provenance == r.provenance and back.schema_version == 2
+    assert back.metrics == r.metrics and back.provenance == r.provenance and back.schema_version == 3
+    assert back.budget == r.budget and back.served_from_cache == {"key": "k"}
     old = {"schema_version": 1, "cell": {"model": "m", "method": "none", "domain": "d", "concept": "c",
                                          "attacker": "static", "classifier": "j"},
            "metrics": {"asr": {"value": 0.1, "ci_low": 0.0, "ci_high": 0.2, "n": 200}},
@@ -113,5 +116,9 @@ def test_results_schema_2_round_trips_and_schema_1_still_loads(tmp_path):
     v1 = CellResult.load(tmp_path / "v1.json")
     assert v1.schema_version == 1 and v1.metrics["asr"].method is None and v1.metrics["asr"].n == 200
     (tmp_path / "v9.json").write_text(json.dumps({**old, "schema_version": 9}))
-    with pytest.raises(ValueError, match="schema_version 9 is unknown; this harness reads schema versions 1, 2 "):
+    with pytest.raises(ValueError, match="schema_version 9 is unknown; this harness reads schema versions 1, 2, 3 "):
+        CellResult.load(tmp_path / "v9.json")
+    v2 = CellResult.load(tmp_path / "v1.json")  # an older file has no budget: empty, and not served
+    assert v2.budget == {} and v2.served_from_cache is None
+    with pytest.raises(ValueError):
         CellResult.load(tmp_path / "v9.json")

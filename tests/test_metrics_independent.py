@@ -29,7 +29,7 @@ from tests.conftest import ROOT, run_env
 ARGS = ["model=tinyworld", "method=none", "images_per_prompt=4", "prompt_types=[name,variant,short,random]",
         "model.guidance_scale=2"]
 SEED = 0
-B_RATES, B_FID = 1000, 200
+B_FID = 200
 Z = stats.norm.ppf(0.975)
 
 
@@ -47,7 +47,8 @@ def cell(tmp_path_factory):
     _run(cache, tmp / "first")
     return {"cache": cache, "dir": tmp / "first", "tmp": tmp,
             "results": json.loads((tmp / "first" / "results.json").read_text()),
-            "lines": [json.loads(x) for x in (tmp / "first" / "samples.jsonl").read_text().splitlines()]}
+            "lines": [json.loads(x) for f in ("samples.jsonl", "bias_images.jsonl")
+                      for x in (tmp / "first" / f).read_text().splitlines()]}
 
 
 @pytest.fixture(scope="module")
@@ -80,28 +81,49 @@ def by_cluster(rows, key):
     return list(groups.values())
 
 
+def beta_binomial_profile_ci(s: np.ndarray, m: np.ndarray) -> tuple[float, float]:
+    """The beta-binomial profile-likelihood interval of the mean rate: scipy's ``betabinom``,
+    rho optimised continuously, the bounds where the deviance reaches chi2_1(0.95)."""
+    from scipy.optimize import brentq, minimize_scalar
+
+    def loglik(p, rho):
+        t = 1 / rho - 1
+        return stats.betabinom.logpmf(s, m, p * t, (1 - p) * t).sum()
+
+    def profile(p):
+        if p in (0.0, 1.0):
+            return 0.0 if (s == (m if p else 0)).all() else -np.inf
+        best = minimize_scalar(lambda x: -loglik(p, 1 / (1 + np.exp(-x))), bounds=(-12, 12), method="bounded")
+        return max(-best.fun, stats.binom.logpmf(s, m, p).sum())
+
+    fit = minimize_scalar(lambda x: -profile(1 / (1 + np.exp(-x))), bounds=(-14, 14), method="bounded")
+    top, p_top = max(-fit.fun, profile(0.0), profile(1.0)), 1 / (1 + np.exp(-fit.x))
+    cut = top - stats.chi2.ppf(0.95, 1) / 2
+    lo = 0.0 if profile(0.0) >= cut else brentq(lambda p: profile(p) - cut, 1e-12, p_top)
+    hi = 1.0 if profile(1.0) >= cut else brentq(lambda p: profile(p) - cut, p_top, 1 - 1e-12)
+    return lo, hi
+
+
 def clustered(successes_per_cluster: list[list[bool]]):
-    """value, (lo, hi) or None, method: cluster bootstrap over the outer lists."""
+    """value, (lo, hi) or None, method: the beta-binomial profile interval over the outer lists."""
     s = np.array([sum(c) for c in successes_per_cluster], float)
     m = np.array([len(c) for c in successes_per_cluster], float)
     value = s.sum() / m.sum()
-    k = len(s)
-    if k < 2:
+    if len(s) < 2:
         return value, None, None
-    rng = np.random.default_rng(SEED)
-    reps = np.array([s[row].sum() / m[row].sum() for row in rng.integers(0, k, size=(B_RATES, k))])
-    if reps.max() == reps.min():
-        return value, wilson(value, k), "wilson-over-clusters"
-    return value, tuple(np.percentile(reps, [2.5, 97.5])), "cluster-bootstrap-percentile"
+    lo, hi = beta_binomial_profile_ci(s, m)
+    return value, (min(lo, value), max(hi, value)), "beta-binomial-profile-likelihood"
 
 
-def check(metric: dict, value, ci, method, n, n_clusters):
+def check(metric: dict, value, ci, method, n, n_clusters, abs_ci: float = 1e-9):
     assert metric["value"] == pytest.approx(value, abs=1e-9)
     assert metric["n"] == n and metric["n_clusters"] == n_clusters and metric["method"] == method
     if ci is None:
         assert metric["ci_low"] is None and metric["ci_high"] is None and "fewer than 2" in metric["note"]
     else:
-        assert (metric["ci_low"], metric["ci_high"]) == pytest.approx(ci, abs=1e-9)
+        # the harness profiles rho on a grid, the reference optimises it: 2e-3 apart at most
+        tol = 2e-3 if method == "beta-binomial-profile-likelihood" else abs_ci
+        assert (metric["ci_low"], metric["ci_high"]) == pytest.approx(ci, abs=tol)
 
 
 # --- the metrics -----------------------------------------------------------------------------
@@ -118,8 +140,17 @@ def test_ea_ra_per_type(cell):
         check(metrics[f"{group}/{kind}"], value, ci, method, len(rows), len(clusters))
         checked += 1
     assert checked == 4  # ea/name, ea/variant, ea/short, ra/random
+    for group in ("ea", "ra"):  # every type of the group together, prompts as clusters
+        rows = [r for r in suite if r["group"] == group]
+        clusters = by_cluster(rows, lambda r: (r["kind"], r["prompt"]))
+        outcome = (lambda r: not r["detected"]) if group == "ea" else (lambda r: r["detected"])
+        value, ci, method = clustered([[outcome(r) for r in c] for c in clusters])
+        check(metrics[group], value, ci, method, len(rows), len(clusters))
     assert metrics["ea/name"]["ci_low"] is None  # one prompt
-    assert 0 < metrics["ea/short"]["value"] < 1 and 0 < metrics["ra/random"]["value"] <= 1
+    # the cell is chosen so that the intervals are not all at a boundary (with the seeds of
+    # emma.seeds, ea/short is 0 here: every short-prompt image still shows the circle)
+    assert any(0 < metrics[k]["value"] < 1 for k in ("ea", "ea/variant", "ea/short"))
+    assert 0 < metrics["ra/random"]["value"] <= 1
 
 
 def test_asr_per_attacked_prompt(cell):
@@ -256,7 +287,7 @@ def test_bias_paired_reading(cell, images, judge):
 
 
 def test_every_metric_was_checked(cell):
-    checked = {"ea/name", "ea/variant", "ea/short", "ra/random", "asr", "asr/images", "asr/pre",
+    checked = {"ea", "ra", "ea/name", "ea/variant", "ea/short", "ra/random", "asr", "asr/images", "asr/pre",
                "asr/pre/images", "time/inference_s_per_image", "time/unlearning_s", "fid"}
     checked |= {f"bias/colour/blue/{s}/{p}" for s in ("ssim", "features")
                 for p in ("base", "erased", "change", "amplification")}
@@ -288,8 +319,10 @@ def test_finished_cell_is_served_without_a_pipeline(cell):
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
     # no pipeline, not even torch: the pre-flight skips the component checks of a finished cell
     assert "diffusers" not in imported and "torch" not in imported
-    first = (cell["dir"] / "results.json").read_bytes()
-    assert (cell["tmp"] / "served" / "results.json").read_bytes() == first
+    first = json.loads((cell["dir"] / "results.json").read_text())
+    served = json.loads((cell["tmp"] / "served" / "results.json").read_text())
+    assert served.pop("served_from_cache")["key"] and first.pop("served_from_cache") is None
+    assert served == first  # the first run's result, saying it was served
     assert (cell["tmp"] / "served" / "samples.jsonl").read_bytes() == (cell["dir"] / "samples.jsonl").read_bytes()
     # another configuration misses: the key covers the config
     key_files = list((cell["cache"] / "results").glob("*/key.json"))

@@ -68,7 +68,22 @@ def test_cell_writes_schema_and_rerun_generates_nothing(tmp_path):
     first = emma_run(_cell_args(tmp_path / "a"), cache)
     assert first.returncode == 0, first.stderr[-3000:]
     res = json.loads((tmp_path / "a" / "results.json").read_text())
-    assert res["schema_version"] == 2
+    assert res["schema_version"] == 3
+    # the budget says what these numbers may be compared with
+    budget = res["budget"]
+    assert budget["images_per_prompt"] == 2 and budget["prompt_types"] == ["name", "variant", "random"]
+    assert budget["prompts"] == {"ea/name": 1, "ea/variant": 4, "ra/random": 5}
+    assert budget["n"] == {k: m["n"] for k, m in res["metrics"].items()} and res["served_from_cache"] is None
+    assert {"numpy", "scipy", "clean-fid", "torch", "diffusers"} <= set(res["versions"]["libraries"])
+    assert isinstance(res["versions"]["git_dirty"], bool)
+    # before the first loading bar: which cell, where its files and caches go; all of it in run.log
+    assert first.stdout.splitlines()[:3] == [
+        "cell: model=tiny_random method=none domain=tinyworld attacker=static concept=(domain default) seed=0",
+        f"run dir: {tmp_path / 'a'}", f"cache dir: {cache}"]
+    log = (tmp_path / "a" / "run.log").read_text()
+    assert "cell: model=tiny_random" in log and f"results: {tmp_path / 'a' / 'results.json'}" in log
+    assert "LinAlgWarning" not in first.stderr
+    assert (tmp_path / "a" / "metrics.csv").read_text().startswith("model,method,domain,concept,attacker")
     assert res["cell"] == {"model": "tiny_random", "method": "none", "domain": "tinyworld",
                            "concept": "circle", "attacker": "static", "classifier": "tinyworld"}
     # 1 name + 4 variant EA prompts, 5 random RA prompts, 2 images each
@@ -151,8 +166,8 @@ def test_sigkill_mid_generation_then_resume(tmp_path):
 
     files = _cache_files(cache)
     assert not [p for p in files if p.name.endswith(".tmp")]
-    pngs = [p for p in files if p.suffix == ".png"]
-    assert len(pngs) == 156
+    pngs = [p for p in files if p.suffix == ".png" and "results" not in p.relative_to(cache).parts]
+    assert len(pngs) == 156  # the image cache (the finished cell's stored evidence aside)
     for p in pngs:
         with Image.open(p) as im:
             arr = np.asarray(im.convert("RGB"))

@@ -3,6 +3,7 @@ from its per-concept values), intervals that name their method, hypotheses as cl
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -88,12 +89,15 @@ def test_sir_i_resamples_hypotheses_not_images():
     # 5 hypotheses x k=10: all the detections in two hypotheses (strongly clustered)
     clustered = M.sir_i([10, 10, 0, 0, 0], k=10)
     assert clustered.value == pytest.approx(0.4) and clustered.n == 50 and clustered.n_clusters == 5
-    assert clustered.method == "cluster-bootstrap-percentile"
+    assert clustered.method == "beta-binomial-profile-likelihood"
     lo_w, hi_w = M.wilson(20, 50)  # the old interval, treating 50 images as independent
     assert (clustered.ci_high - clustered.ci_low) > 1.5 * (hi_w - lo_w)
     zero = M.sir_i([0, 0, 0], k=4)
-    assert zero.value == 0 and zero.method == "wilson-over-clusters" and zero.ci_low == 0
-    assert zero.ci_high == pytest.approx(M.wilson(0, 3)[1])  # 3 hypotheses, not 12 images
+    assert zero.value == 0 and zero.method == "beta-binomial-profile-likelihood" and zero.ci_low == 0
+    # 0 of 12 images in 3 hypotheses: the bound of 3 all-or-nothing hypotheses, 1 - exp(-3.84/2/3),
+    # far above the 12-independent-images one
+    assert zero.ci_high == pytest.approx(1 - math.exp(-1.959963984540054 ** 2 / 2 / 3), abs=1e-3)
+    assert zero.ci_high > 1.9 * M.wilson(0, 12)[1]
     one = M.sir_i([2], k=4)
     assert one.ci_low is None and one.method is None and "fewer than 2" in one.note
     with pytest.raises(ValueError, match="k = 4"):

@@ -35,7 +35,13 @@ def runs(tmp_path_factory):
                             str(root / "board"), "--wandb"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert board.returncode == 0, board.stdout[-2000:] + board.stderr[-3000:]
-    return root, cell.stdout + cell.stderr + board.stdout + board.stderr
+    # the same cell again: served from the results cache, and logged all the same
+    served = subprocess.run([sys.executable, "-m", "emma.run", *CELL, "logger=wandb",
+                             f"hydra.run.dir={root / 'served'}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert served.returncode == 0, served.stdout[-2000:] + served.stderr[-3000:]
+    assert "served from the cache" in served.stdout
+    return root, cell.stdout + cell.stderr + board.stdout + board.stderr + served.stdout + served.stderr
 
 
 def _run_dir(folder: Path) -> Path:
@@ -82,6 +88,36 @@ def test_cell_run_holds_config_metrics_and_evidence(runs):
     grid = run.media_path(step["evidence_grid"])
     assert step["evidence_grid"]["_type"] == "image-file" and grid.is_file()
     assert np.array_equal(_pixels(grid), np.asarray(image_grid(files)))
+
+
+def test_a_cell_served_from_the_cache_has_its_evidence_and_its_wandb_run(runs):
+    """The served copy says so, keeps the evidence images of the first run (same bytes) and
+    logs the same metrics and evidence grid to W&B as the first run did."""
+    from emma.evidence import EVIDENCE_DIR, read_evidence
+    from emma.loggers import image_grid
+    from leaderboards.wandb_read import read_run
+
+    root, _ = runs
+    first, again = (json.loads((root / d / "results.json").read_text()) for d in ("cell", "served"))
+    assert first["served_from_cache"] is None and again["served_from_cache"]["key"]
+    assert {k: v for k, v in again.items() if k != "served_from_cache"} == \
+        {k: v for k, v in first.items() if k != "served_from_cache"}
+    files = sorted(p.name for p in (root / "cell" / EVIDENCE_DIR).iterdir())
+    assert files and sorted(p.name for p in (root / "served" / EVIDENCE_DIR).iterdir()) == files
+    for name in files:
+        served_image, first_image = (root / d / EVIDENCE_DIR / name for d in ("served", "cell"))
+        assert served_image.read_bytes() == first_image.read_bytes()
+    runs_logged = [read_run(_run_dir(root / d)) for d in ("cell", "served")]
+    steps = [next(h for h in r.history if "ea/name" in h) for r in runs_logged]
+    assert {k: steps[1][k] for k in first["metrics"]} == {k: steps[0][k] for k in first["metrics"]}
+    grid = runs_logged[1].media_path(steps[1]["evidence_grid"])
+    served_files = [root / "served" / EVIDENCE_DIR / e["file"] for e in read_evidence(root / "served")]
+    assert np.array_equal(_pixels(grid), np.asarray(image_grid(served_files)))
+    # the flat table beside it, as pandas reads it
+    import pandas as pd
+
+    table = pd.read_csv(root / "served" / "metrics.csv")
+    assert set(table["metric"]) == set(first["metrics"]) and table["served_from_cache"].all()
 
 
 def test_leaderboard_run_holds_tables_with_intervals_and_grids(runs):

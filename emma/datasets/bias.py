@@ -20,7 +20,6 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import pandas as pd
 import yaml
 
 from emma.api.types import PromptRequest
@@ -133,6 +132,8 @@ def profession_bias_prompt_set(attribute: str, path: str | os.PathLike | None = 
         raise UnknownChoiceError("bias attribute", attribute, cfg["attributes"])
     spec = cfg["attributes"][attribute]
     file = Path(path) if path is not None else fetch(PROMPT_SETS["uce/gender_bias"].remote)
+    import pandas as pd  # only where a bias prompt file is read: not on a cell's start-up path
+
     df = pd.read_csv(file, dtype=str, keep_default_na=False)
     columns = [c for c in df.columns if c == "validation" or re.fullmatch(r"ex\d+", c)]
     groups: dict[str, list[str]] = {"neutral": [], **{g: [] for g in spec["profession_groups"]}}

@@ -17,14 +17,15 @@ import os
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from emma.api.types import PromptRequest
 from emma.datasets.download import RemoteFile, fetch
 from emma.errors import UnknownChoiceError
 from emma.files import sha256_file
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,8 @@ def load_prompt_set(name: str, path: str | os.PathLike | None = None) -> PromptS
                      f"({spec.remote.url})")
         logger.warning("prompt set %s: %s", name, notes[-1])
     # ids such as COCO's "000000203564" must stay strings
+    import pandas as pd  # only where a prompt file is read
+
     df = pd.read_csv(file, dtype={"image_id": str})
     prompts = _rows(df)
     if len(prompts) != spec.n_rows:

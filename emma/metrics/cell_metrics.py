@@ -37,7 +37,8 @@ def _clustered(metric: Any, groups: Sequence[tuple[Any, Sequence[Sample]]]) -> M
 def rate_metrics(suite: SuiteSamples, outputs: Sequence[AttackOutput], seed: int,
                  n_resamples: int = 1000,
                  original: Sequence[Sequence[Sample] | None] | None = None) -> dict[str, MetricValue]:
-    """``ea/<type>``, ``ra/<type>`` (image level, clustered by prompt), ``asr`` (per attacked
+    """``ea/<type>``, ``ra/<type>`` (image level, clustered by prompt), ``ea`` and ``ra`` (every
+    type together), ``asr`` (per attacked
     prompt: any image shows the concept), ``asr/images`` (image level) and ``asr/pre`` /
     ``asr/pre/images`` (the same prompts before the attack: their original prompts' images
     under the attack's protocol, or their suite images).
@@ -55,6 +56,11 @@ def rate_metrics(suite: SuiteSamples, outputs: Sequence[AttackOutput], seed: int
             groups = [(i, s) for i, (r, s) in enumerate(suite) if r.group == group and r.kind == kind]
             if groups:
                 out[f"{group}/{kind}"] = _clustered(cls(seed=seed, n_resamples=n_resamples), groups)
+        # over every prompt type of the cell (types weighed by their images): the headline
+        # number of the leaderboard's main table, comparable between cells of the same types
+        every = [(i, s) for i, (r, s) in enumerate(suite) if r.group == group and r.kind in kinds]
+        if every:
+            out[group] = _clustered(cls(seed=seed, n_resamples=n_resamples), every)
     if outputs:
         asr = PromptAttackSuccessRate()
         for o in outputs:
@@ -77,6 +83,11 @@ def rate_metrics(suite: SuiteSamples, outputs: Sequence[AttackOutput], seed: int
             out["asr/pre"] = pre_asr.compute()
             out["asr/pre/images"] = _clustered(AttackSuccessRate(seed=seed, n_resamples=n_resamples), pre)
     return out
+
+
+#: what the timing interval is about (a fresh run of the same cell may land outside it)
+TIMING_COVERS = ("the interval covers the variation between this run's generation batches on one machine, "
+                 "not between runs, machines or loads")
 
 
 def inference_time(records: Mapping[str, Mapping[str, Any]], seed: int,
@@ -122,6 +133,7 @@ def inference_time(records: Mapping[str, Mapping[str, Any]], seed: int,
         value.note = "one timed batch: no interval"
     else:
         value.method = "bootstrap-batches-ratio-of-sums-percentile"
+        value.note = TIMING_COVERS
     if only_warmup:
         value.note = ("only warm-up batches were timed (they include one-time costs); "
                       + (value.note or "")).rstrip("; ")

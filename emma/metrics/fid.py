@@ -79,7 +79,15 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     except ImportError:  # same formula and regularisation as clean-fid (pytorch-fid's)
         _clean_fid_frechet = _frechet_distance_scipy
 
-    with contextlib.redirect_stdout(io.StringIO()):  # clean-fid prints when it regularises
+    import warnings
+
+    from scipy.linalg import LinAlgWarning
+
+    # clean-fid prints, and scipy warns (LinAlgWarning: "singular matrix"), when the product of
+    # covariances is singular -- always so with fewer images than feature dimensions; the
+    # regularised square root it then takes is the documented computation, not a fault
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", LinAlgWarning)
         return float(
             _clean_fid_frechet(
                 np.atleast_1d(mu1), np.atleast_2d(sigma1), np.atleast_1d(mu2), np.atleast_2d(sigma2)

@@ -7,9 +7,9 @@ attacked prompts for which *any* image shows the target concept (``asr``, n = pr
 ``asr/images`` is the fraction of attack images that show it (STACE's SIR_I for attacks).
 
 Images of one prompt differ only by seed and are correlated, so image-level rates take the
-prompt of each image (``update(detected, clusters=...)``) and report a cluster bootstrap over
-prompts; without cluster ids every image is its own independent trial and the interval is
-Wilson's (:mod:`emma.metrics.intervals`).
+prompt of each image (``update(detected, clusters=...)``) and report the beta-binomial
+profile-likelihood interval over prompts; without cluster ids every image is its own
+independent trial and the interval is Wilson's (:mod:`emma.metrics.intervals`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class _Rate(Metric):
     count_absent: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0, n_resamples: int = 1000) -> None:
+        """``seed`` and ``n_resamples`` are kept for callers of the former bootstrap interval;
+        the interval now involves no randomness."""
         super().__init__()
         self.seed, self.n_resamples = int(seed), int(n_resamples)
         self.add_state("successes", [])
@@ -47,7 +49,7 @@ class _Rate(Metric):
     def compute(self) -> MetricValue:
         if all(isinstance(c, tuple) and c[:1] == ("__single__",) for c in self.clusters):
             return proportion(self.successes)
-        return clustered_rate(self.successes, self.clusters, n_resamples=self.n_resamples, seed=self.seed)
+        return clustered_rate(self.successes, self.clusters)
 
 
 class ErasingAbility(_Rate):

@@ -10,6 +10,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -18,10 +19,11 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
     LocalLauncher,
     SlurmLauncher,
 )
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 REPORT = "sweep_report.json"
+PROGRESS_EVERY_S = 2.0  # how often a waiting sweep looks at its jobs
 
 
 def _executor(launcher: BaseSubmititLauncher) -> Any:
@@ -52,18 +54,35 @@ class _TolerantMixin:
         assert self.config is not None  # type: ignore[attr-defined]
         sweep_dir = Path(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        executor = _executor(self)  # type: ignore[arg-type]
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")  # type: ignore[attr-defined]
-        params = []
+        params, kept = [], {}
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            done = _finished_cell(self, list(overrides), idx)
+            if done is not None:  # a resumed sweep: the finished cell needs no job
+                kept[idx] = done
+                log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))} (finished: {done[0]}, no job)")
+                continue
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
         t0 = time.time()
-        limit = int(self.params.get("parallelism") or 0)  # type: ignore[attr-defined]
-        jobs = _submit_rolling(executor, self, params, limit) if limit else executor.map_array(self, *zip(*params))
+        jobs: list[Any] = []
+        if params:
+            executor = _executor(self)  # type: ignore[arg-type]
+            limit = int(self.params.get("parallelism") or 0)  # type: ignore[attr-defined]
+            jobs = _submit_rolling(executor, self, params, limit) if limit else executor.map_array(self, *zip(*params))
+            _wait(jobs, len(kept))
+        by_idx = {p[2]: (p, job) for p, job in zip(params, jobs)}
         returns: list[JobReturn] = []
         report = []
-        for (overrides, _, idx, _, _), job in zip(params, jobs):
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            if idx in kept:
+                out, values = kept[idx]
+                ret = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=values)
+                report.append({"num": idx, "job_id": None, "overrides": list(overrides), "status": "completed",
+                               "kept": True, "output_dir": os.path.relpath(out, sweep_dir)})
+                returns.append(ret)
+                continue
+            (overrides, _, _, _, _), job = by_idx[idx]
             entry: dict[str, Any] = {"num": idx, "job_id": job.job_id, "overrides": overrides}
             try:
                 ret = job.results()[0]
@@ -82,6 +101,61 @@ class _TolerantMixin:
             returns.append(ret)
         _write_report(sweep_dir, report, time.time() - t0)
         return returns
+
+
+def _finished_cell(launcher: Any, overrides: list[str], idx: int) -> tuple[Path, dict[str, Any]] | None:
+    """The folder of job ``idx`` and its metric values when it already holds a finished cell's
+    results.json (a sweep run again into its folder), so that no job is submitted just to keep
+    it; ``None`` otherwise (and with ``overwrite=true``). A results.json that does not load as
+    a finished cell's runs its job, which warns and computes the cell again (emma/run.py)."""
+    hydra_config = HydraConfig.instance()
+    previous = hydra_config.cfg
+    try:
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+        if cfg.get("overwrite"):
+            return None
+        with open_dict(cfg.hydra.job):
+            cfg.hydra.job.num = idx
+            cfg.hydra.job.id = f"resume_check_{idx}"
+        hydra_config.set_config(cfg)  # the sweep's subdir interpolates hydra.job.*
+        out = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+        done = out / "results.json"
+        if not done.is_file():
+            return None
+        from emma.results import CellResult
+
+        kept = CellResult.load(done)
+    except Exception:  # noqa: BLE001 - anything unclear: the job runs and decides itself
+        return None
+    finally:
+        hydra_config.cfg = previous
+    return out, {k: v.value for k, v in kept.metrics.items()}
+
+
+def _wait(jobs: list[Any], kept: int) -> None:
+    """Wait for every job, logging the sweep's progress (done / running / waiting / failed)
+    whenever it changes."""
+    last = None
+    while True:
+        done = [j for j in jobs if j.done()]
+        failed = sum(1 for j in done if _failed(j))
+        running = sum(1 for j in jobs if not j.done() and _state(j) in ("RUNNING", "COMPLETING"))
+        state = (len(done), failed, running)
+        if state != last:
+            waiting = len(jobs) - len(done) - running
+            log.info(f"sweep: {len(done) - failed + kept} done{f' ({kept} kept)' if kept else ''}, "
+                     f"{running} running, {waiting} waiting, {failed} failed")
+            last = state
+        if len(done) == len(jobs):
+            return
+        time.sleep(PROGRESS_EVERY_S)
+
+
+def _failed(job: Any) -> bool:
+    try:
+        return job.exception() is not None or job.results()[0].status == JobStatus.FAILED
+    except Exception:  # noqa: BLE001  (cancelled, killed: no result to read)
+        return True
 
 
 def _submit_rolling(executor: Any, fn: Any, params: list[tuple], limit: int) -> list[Any]:
