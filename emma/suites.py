@@ -144,7 +144,7 @@ def _cmd_download(options: dict[str, str], overrides: list[str]) -> None:
         elif name in PROMPT_SETS:
             remotes.append(PROMPT_SETS[name].remote)
         else:
-            raise UnknownChoiceError("data set", name, [*PROMPT_SETS, *REFERENCE_SETS, "all"])
+            raise UnknownChoiceError("prompt set", name, [*PROMPT_SETS, *REFERENCE_SETS, "all"])
     names = available_domains() if options.get("domain", "all") == "all" else [options["domain"]]
     if "set" not in options:
         for name in names:

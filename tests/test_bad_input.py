@@ -263,7 +263,7 @@ SUITES_CASES = [
     (["show", "domain=object", "suite.sourc=x"], ["suite.sourc=x", "did you mean 'source'", "valid keys at 'suite'"]),
     (["counts", "domain=tinyworld", "n_randm=3"], ["n_randm=3", "did you mean 'n_random'"]),
     (["counts", "domain=tinyworld", "images_per_prompt=abc"], ["images_per_prompt=abc", "invalid literal"]),
-    (["download", "set=nope"], ["unknown prompt set 'nope'", "Available: coco_30k"]),
+    (["download", "set=nope"], ["unknown prompt set 'nope'", "Available: ", "coco_30k", "en3k"]),
 ]
 
 

@@ -1,5 +1,6 @@
-"""The protocol cards (docs/protocols/methods/<method>.md) are the contract between each
-erasure method's reference implementation and its SD-scale config.
+"""The erasure methods' protocol cards (docs/protocols/methods/<method>.md) are the contract
+between each method's reference implementation and its SD-scale config (the attackers' cards:
+tests/test_protocol_cards.py).
 
 Each card has one table (``| key | domains | reference | ours | source | why they differ |``).
 For every EMMA domain D and every method M, ``model=sd14 domain=D method=M`` is composed

@@ -14,7 +14,7 @@ Two kinds of set:
   ``python -m emma.suites download set=NAME``. Offline, a set that is not cached stops the
   cell before any work with an error naming the set and that command.
 
-``python -m emma.suites download set=NAME`` also lists every set (``set=all`` fetches them).
+``python -m emma.suites download set=all`` fetches every pinned set (an unknown name lists them all).
 """
 
 from __future__ import annotations
