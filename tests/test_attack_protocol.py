@@ -34,6 +34,9 @@ def _cell(tmp_path, name: str, *overrides: str) -> tuple[dict[str, Any], list[di
     run_cell(cfg, tmp_path / name)
     res = json.loads((tmp_path / name / "results.json").read_text())
     lines = [json.loads(x) for x in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+    for x in lines:  # samples.jsonl keeps each request's search seeds as JSON text (one schema, flat columns)
+        assert isinstance(x["search_seeds"], str)
+        x["search_seeds"] = json.loads(x["search_seeds"])
     return res, lines
 
 
