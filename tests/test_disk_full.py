@@ -16,17 +16,14 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
 
 import pytest
-import torch
 
 from emma import exit_codes
-from emma.api.domain import Domain
-from emma.api.method import ErasureMethod
 from emma.errors import DiskFullError, EmmaError, is_disk_full
 from emma.files import atomic_write_bytes, atomic_write_text
 from tests.conftest import ROOT, run_env
+from tests.erasure_fixtures import Shift
 
 FAST = ["images_per_prompt=1", "prompt_types=[name]", "metrics=rates_only"]
 
@@ -87,16 +84,6 @@ def test_is_disk_full(err, full):
 
 
 # ------------------------------------------------------------------ the erased model
-class Shift(ErasureMethod):
-    name = "shift"
-    version = "1"
-
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
-        with torch.no_grad():
-            pipe.unet.conv_out.bias.add_(0.5)
-        return pipe
-
-
 def test_a_full_disk_while_storing_the_erased_model_leaves_no_tmp_folder_nor_lock(pipe, tmp_path, monkeypatch):
     from diffusers import UNet2DConditionModel
 

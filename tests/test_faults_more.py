@@ -10,17 +10,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from emma import exit_codes
-from emma.api.domain import Domain
-from emma.api.method import ErasureMethod
 from emma.cache import ImageCache, ScoreCache, repair_mark, repairs_since
 from emma.errors import ConfigError
+from tests.erasure_fixtures import Shift
 
 
 def _one_line(text: str) -> str:
@@ -50,16 +48,6 @@ def test_a_cache_folder_replaced_by_a_file_is_quarantined_and_recreated(tmp_path
     else:
         cache.put("a" * 64, np.array([0.25, 0.75]))
         assert np.allclose(cache.get("a" * 64), [0.25, 0.75])
-
-
-class Shift(ErasureMethod):
-    name = "shift"
-    version = "1"
-
-    def erase(self, pipe: Any, concepts: Sequence[str], *, seed: int = 0, domain: Domain | None = None) -> Any:
-        with torch.no_grad():
-            pipe.unet.conv_out.bias.add_(0.5)
-        return pipe
 
 
 def test_erased_folder_a_file_and_an_entry_that_is_a_file_are_healed(base, tmp_path):

@@ -100,6 +100,21 @@ def _unavailable(remote: RemoteFile, dest: Path, reason: str) -> DataUnavailable
     )
 
 
+def _cached_and_verified(dest: Path, sha256: str, source: str = "") -> bool:
+    """Whether ``dest`` is cached with the pinned ``sha256``. A cached file with another
+    digest is an error offline (it cannot be replaced) and is downloaded again online."""
+    if not dest.exists():
+        return False
+    digest = sha256_file(dest)
+    if digest == sha256:
+        return True
+    if is_offline():
+        raise ChecksumError(f"cached file {dest} has sha256 {digest}, expected {sha256}{source}. "
+                            "Delete it and download the file again.")
+    logger.warning("cached %s has the wrong sha256 (%s); downloading it again", dest, digest)
+    return False
+
+
 def fetch(remote: RemoteFile, *, cache: str | os.PathLike | None = None) -> Path:
     """Return the local path of ``remote``, downloading and verifying it on first use.
 
@@ -116,16 +131,8 @@ def fetch(remote: RemoteFile, *, cache: str | os.PathLike | None = None) -> Path
             the pinned sha256.
     """
     dest = remote.cache_path(cache)
-    if dest.exists():
-        digest = sha256_file(dest)
-        if digest == remote.sha256:
-            return dest
-        if is_offline():
-            raise ChecksumError(
-                f"cached file {dest} has sha256 {digest}, expected {remote.sha256} "
-                f"({remote.url}). Delete it and download the file again."
-            )
-        logger.warning("cached %s has the wrong sha256 (%s); downloading it again", dest, digest)
+    if _cached_and_verified(dest, remote.sha256, f" ({remote.url})"):
+        return dest
     if is_offline():
         raise _unavailable(remote, dest, "it is not cached and downloads are disabled "
                            "(EMMA_OFFLINE or HF_HUB_OFFLINE is set)")
@@ -274,14 +281,8 @@ def fetch_pinned(pinned: PinnedFile, *, cache: str | os.PathLike | None = None, 
     from emma.files import tmp_name
 
     dest = pinned.cache_path(cache)
-    if dest.exists():
-        digest = sha256_file(dest)
-        if digest == pinned.sha256:
-            return dest
-        if is_offline():
-            raise ChecksumError(f"cached file {dest} has sha256 {digest}, expected {pinned.sha256}. "
-                                "Delete it and download the file again.")
-        logger.warning("cached %s has the wrong sha256 (%s); downloading it again", dest, digest)
+    if _cached_and_verified(dest, pinned.sha256):
+        return dest
     if is_offline():
         raise _pinned_unavailable(pinned, dest, "it is not cached and downloads are disabled "
                                   "(EMMA_OFFLINE or HF_HUB_OFFLINE is set)")
