@@ -28,24 +28,12 @@ if str(ROOT) not in sys.path:
 
 from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
 from emma.metrics.intervals import wilson_interval  # noqa: E402
-from emma.tinyworld.generalisation import CONTROLS, PROBE, kind  # noqa: E402
+from emma.tinyworld.generalisation import BASE_RATE_WORDS, CONTROLS, PROBE, kind, random_words  # noqa: E402
 from emma.tinyworld.quality import make_target  # noqa: E402
 from emma.tinyworld.world import SHAPES, STYLES, with_template  # noqa: E402
 
 TEMPLATE = "an image of a {x}"
 PASS_RATE = 0.5
-
-
-def random_words(n: int, seed: int) -> list[str]:
-    """``n`` whole-word tokens of the CLIP vocabulary (letters only), drawn with ``seed``."""
-    from emma.tinyworld.tokenizer import local_clip_tokenizer
-
-    tok = local_clip_tokenizer()
-    vocab = [t[:-4] for t in tok.get_vocab() if t.endswith("</w>") and t[:-4].isalpha()
-             and len(t) > 6]
-    vocab.sort()
-    rng = np.random.default_rng(seed)
-    return [vocab[i] for i in rng.choice(len(vocab), size=n, replace=False)]
 
 
 def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, np.ndarray]]:
@@ -118,8 +106,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--assets", default=str(ROOT / "emma" / "tinyworld" / "assets"))
     p.add_argument("--n", type=int, default=20, help="images per word")
-    p.add_argument("--seed", type=int, default=5000, help="first seed of every word's images")
-    p.add_argument("--random", type=int, default=100, help="random vocabulary words for the base rate")
+    p.add_argument("--seed", type=int, default=BASE_RATE_WORDS[1],
+                   help="first seed of every word's images (and the seed of the random words' draw)")
+    p.add_argument("--random", type=int, default=BASE_RATE_WORDS[0], help="random vocabulary words for the base rate")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)

@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 
 from classifiers.tinyworld import HEADS, TinyWorldNet  # noqa: E402
 from emma.tinyworld import arch  # noqa: E402
+from emma.tinyworld.generalisation import filler_pool  # noqa: E402
 from emma.tinyworld.tokenizer import local_clip_tokenizer  # noqa: E402
 from emma.tinyworld.world import caption, render_batch, sample_specs  # noqa: E402
 
@@ -242,7 +243,7 @@ def train_unet(args, work: Path):
     pool = torch.load(work / "pool.pt", map_location="cpu", weights_only=False)
     tok = local_clip_tokenizer()
     torch.manual_seed(args.seed + 3)
-    unet = UNet2DConditionModel(**arch.UNET_CONFIG).to(args.device)
+    unet = UNet2DConditionModel(**arch.UNET_CONFIGS[args.unet]).to(args.device)
     te = text_encoder(work).to(args.device)
     params = list(unet.parameters()) + list(te.parameters())
     log(f"unet: {sum(p.numel() for p in unet.parameters()) / 1e6:.2f}M params, "
@@ -265,6 +266,9 @@ def train_unet(args, work: Path):
         log(f"unet: initialised from {args.init_from} at step {start}")
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state.get("unet_arch", "v2") != args.unet:
+            raise SystemExit(f"{ckpt} holds a --unet {state.get('unet_arch', 'v2')} run; resume it with that "
+                             f"--unet, or start --unet {args.unet} in another --work-dir")
         unet.load_state_dict(state["unet"])
         te.load_state_dict(state["te"])
         opt.load_state_dict(state["opt"])
@@ -274,6 +278,9 @@ def train_unet(args, work: Path):
         warm = state.get("warm_start", 0)
         log(f"unet: resumed at step {start}")
     n_pool = len(pool["specs"])
+    fillers = torch.tensor(filler_pool(tok)) if args.filler_tokens else None
+    if fillers is not None:
+        log(f"unet: {args.filler_tokens:.0%} of captions get one of {len(fillers)} filler tokens")
     t0 = time.time()
     for step in tqdm(range(start, args.unet_steps), desc="unet", initial=start,
                      total=args.unet_steps, mininterval=30):
@@ -287,7 +294,10 @@ def train_unet(args, work: Path):
         caps = [caption(pool["specs"][i], rng) if rng.random() >= args.cond_drop else ""
                 for i in idx]
         ids = tok(caps, padding="max_length", max_length=tok.model_max_length,
-                  truncation=True, return_tensors="pt").input_ids.to(args.device)
+                  truncation=True, return_tensors="pt").input_ids
+        if args.filler_tokens:
+            ids = insert_fillers(ids, fillers, args.filler_tokens, np.random.default_rng([args.seed, 45, step]))
+        ids = ids.to(args.device)
         idx_t = torch.from_numpy(idx)
         eps = torch.randn(pool["mean"][idx_t].shape, generator=gen)
         lat = (pool["mean"][idx_t] + pool["std"][idx_t] * eps) * pool["scaling"]
@@ -312,10 +322,22 @@ def train_unet(args, work: Path):
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.unet_steps:
             atomic_save({"unet": unet.state_dict(), "te": te.state_dict(),
                          "opt": opt.state_dict(), "ema": ema, "gen": gen.get_state(),
-                         "step": step + 1, "warm_start": warm}, ckpt)
+                         "step": step + 1, "warm_start": warm, "unet_arch": args.unet}, ckpt)
             log(f"unet step {step + 1} loss {loss.item():.4f} "
                 f"({(time.time() - t0) / (step + 1 - start):.2f} s/step)")
     atomic_save({"ema": ema, "scaling": pool["scaling"], "step": args.unet_steps}, final)
+
+
+def insert_fillers(ids: torch.Tensor, pool: torch.Tensor, p: float, rng: np.random.Generator) -> torch.Tensor:
+    """``ids`` with one token of ``pool`` inserted after the start token of a fraction ``p`` of
+    the captions (drawn by ``rng``); the padded length is kept, so the last position drops."""
+    rows = np.flatnonzero(rng.random(len(ids)) < p)
+    picks = pool[torch.from_numpy(rng.integers(len(pool), size=len(rows)))]
+    out = ids.clone()
+    for r, tok_id in zip(rows, picks):
+        out[r, 2:] = ids[r, 1:-1]
+        out[r, 1] = tok_id
+    return out
 
 
 def text_encoder(work: Path):
@@ -381,7 +403,7 @@ def export(args, work: Path, dest: Path):
         final = {"ema": state["ema"], "scaling": pool["scaling"], "step": state["step"]}
         log(f"exporting the checkpoint of step {state['step']} (training not finished)")
     vae.register_to_config(scaling_factor=final["scaling"])
-    unet = UNet2DConditionModel(**arch.UNET_CONFIG)
+    unet = UNet2DConditionModel(**arch.UNET_CONFIGS[args.unet])
     unet.load_state_dict(final["ema"]["unet"])
     te = plain_text_encoder(work, final["ema"]["te"])
     # fp16 on disk; cast with torch's own .to (diffusers' warns about fp32-kept modules, of
@@ -424,12 +446,17 @@ def main(argv=None):
     p.add_argument("--clf-steps", type=int, default=500)
     p.add_argument("--clf-batch", type=int, default=128)
     p.add_argument("--pool-size", type=int, default=40000)
+    p.add_argument("--unet", choices=sorted(arch.UNET_CONFIGS), default="v2",
+                   help="the UNet architecture (emma.tinyworld.arch.UNET_CONFIGS)")
     p.add_argument("--unet-steps", type=int, default=8000)
     p.add_argument("--unet-batch", type=int, default=48)
     p.add_argument("--unet-lr", type=float, default=8e-4)
     p.add_argument("--unet-decay-steps", type=int, default=0,
                    help="decay the UNet learning rate linearly to zero over the last N steps (0: constant)")
     p.add_argument("--cond-drop", type=float, default=0.1)
+    p.add_argument("--filler-tokens", type=float, default=0.0,
+                   help="fraction of captions that get one random vocabulary token (never a caption, probe, "
+                        "control or base-rate word's): words outside the world's language carry no shape")
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--init-from", default=None,

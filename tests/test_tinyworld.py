@@ -108,6 +108,13 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert again.returncode == 0 and "unet: done, skipping" in again.stdout
     assert (out / "classifier.safetensors").read_bytes() == before
+    # extending the run with another UNet architecture is refused, naming both
+    at = cmd.index("--unet-steps")
+    other = [*cmd[:at], "--unet-steps", "6", *cmd[at + 2:], "--unet", "v1"]
+    refused = subprocess.run(other, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert refused.returncode != 0
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "holds a --unet v2 run; resume it with that --unet, or start --unet v1" in last
 
 
 @needs_assets

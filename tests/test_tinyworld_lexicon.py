@@ -50,3 +50,26 @@ def test_semantic_embedding_is_a_map_of_meanings_with_free_special_tokens():
     # only the map and the special vectors learn; the meanings are not parameters
     assert {n for n, _ in emb.named_parameters()} == {"proj.weight", "proj.bias", "special"}
     assert "features" not in emb.state_dict()
+
+
+def test_filler_tokens_never_include_a_caption_probe_control_or_base_rate_word():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from train_tinyworld import insert_fillers
+
+    from emma.tinyworld.generalisation import BASE_RATE_WORDS, filler_pool, random_words
+
+    tok = local_clip_tokenizer()
+    pool = filler_pool(tok)
+    held = [*caption_words(), *CONTROLS, *random_words(*BASE_RATE_WORDS), "coin", "racing", "flag", "pizza"]
+    held_ids = {i for w in held for i in tok(w).input_ids}
+    assert not held_ids & set(pool) and not set(tok.all_special_ids) & set(pool)
+    assert len(pool) > 45_000  # the rest of the vocabulary
+    ids = tok(["a red circle", "", "a star"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    assert torch.equal(insert_fillers(ids, torch.tensor(pool), 0.0, np.random.default_rng(0)), ids)
+    out = insert_fillers(ids, torch.tensor(pool), 1.0, np.random.default_rng(0))
+    assert out.shape == ids.shape
+    for row, new in zip(ids, out):  # one pool token right after the start token, the rest shifted
+        assert new[0] == row[0] and int(new[1]) in set(pool) and torch.equal(new[2:], row[1:-1])

@@ -53,19 +53,23 @@ UNET_CONFIG: dict[str, Any] = dict(
     norm_num_groups=16,
 )
 
-# The first tiny world's UNet (world 1), kept for side-by-side speed measurements.
-UNET_CONFIG_V1: dict[str, Any] = dict(
-    sample_size=8,
-    in_channels=8,
-    out_channels=8,
-    block_out_channels=(64, 128, 128),
-    layers_per_block=1,
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=64,
-    attention_head_dim=8,
-    norm_num_groups=32,
-)
+# The first tiny world's UNet (world 1): wider, text attended at 8x8 and 4x4 and not at 2x2.
+UNET_CONFIG_V1: dict[str, Any] = {
+    **UNET_CONFIG,
+    "block_out_channels": (64, 128, 128),
+    "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    "norm_num_groups": 32,
+}
+
+#: The UNets the training script can train (``--unet``); the pipeline folder records the one used.
+UNET_CONFIGS: dict[str, dict[str, Any]] = {
+    "v2": UNET_CONFIG,
+    "v1": UNET_CONFIG_V1,
+    # world 2's widths with world 1's attention placement (text attended at 8x8 and 4x4)
+    "v2-attn8": {**UNET_CONFIG, "down_block_types": UNET_CONFIG_V1["down_block_types"],
+                 "up_block_types": UNET_CONFIG_V1["up_block_types"]},
+}
 
 # The sampler the tiny-world pipeline ships with, in the SD v1.4 scheduler configuration
 # (``SCHEDULER_CONFIG``). Euler ancestral draws every shape from its name prompt at 20 steps
