@@ -127,6 +127,8 @@ class STACEAttacker(Attacker):
             judge's name, or one of ``evaluators``) to fix it.
         library: a library folder built by ``python -m stace.library build`` (or its
             ``papercards.yaml``) whose cards join the shipped ones; ``None``: the shipped cards.
+        rag: retrieve PaperCards for the Hypothesis Generator and the Critic (``False``: the
+            paper's "Hypo Only" configuration of Table B4; novelty is still measured).
     """
 
     name = "stace"
@@ -146,7 +148,7 @@ class STACEAttacker(Attacker):
                  tool_scale: str | None = None, replay: str | None = None,
                  tolerate_llm_failures: bool = False, name_concept: bool = True,
                  evaluators: Mapping[str, Mapping[str, Any]] | None = None, evaluator: str = "agent",
-                 library: str | None = None) -> None:
+                 library: str | None = None, rag: bool = True) -> None:
         llm_cfg = dict(to_python(llm) or {})
         self.deadline_s = pop_deadline(llm_cfg)
         self.tolerate_llm_failures = check_tolerate(tolerate_llm_failures)
@@ -180,6 +182,7 @@ class STACEAttacker(Attacker):
             iterations=int(iterations), k=int(k), debate_rounds=int(debate_rounds), probe_mode=mode,
             max_code_repairs=int(max_code_repairs), top_k_cards=int(top_k_cards), seed=int(seed),
             seed_hypothesis=seed_hypothesis, task=task, name_concept=_flag("name_concept", name_concept),
+            rag=_flag("rag", rag),
             sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
         self.preset = preset
         self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
