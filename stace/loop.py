@@ -390,6 +390,24 @@ def _probe(x: Any, default_seed: int) -> Probe:
                  num_inference_steps=getattr(x, "num_inference_steps", None))
 
 
+def hypothesis_schema(strategies: Sequence[str] | None = None,
+                      descriptions: dict[str, str] | None = None) -> type[Hypothesis]:
+    """:class:`Hypothesis`, or for another target role a copy whose strategy enum is that role's
+    ``strategies`` and whose fields are described by ``descriptions`` (the JSON schema the
+    Hypothesis Generator is sent)."""
+    if not strategies and not descriptions:
+        return Hypothesis
+    from pydantic.fields import FieldInfo
+
+    fields: dict[str, Any] = {}
+    if strategies:
+        fields["strategy"] = (Literal.__getitem__(tuple(strategies)), ...)
+    for name, text in (descriptions or {}).items():
+        info = Hypothesis.model_fields[name]
+        fields[name] = (info.annotation, FieldInfo.merge_field_infos(info, description=text))
+    return create_model("Hypothesis", __base__=Hypothesis, **fields)
+
+
 @dataclasses.dataclass
 class STACESettings:
     """The loop's knobs (conf/attacker/stace.yaml documents each)."""
@@ -479,11 +497,8 @@ class STACE:
             self.tools_text = self.renderer.tools_text(settings.probe_mode)
             self.api_doc = getattr(self.renderer, "api_doc", self.api_doc)
         self.plan_schema = getattr(self.renderer, "plan_schema", ProbePlan)
-        self.hypothesis_schema = Hypothesis
-        if getattr(self.renderer, "strategies", None):  # the role's strategies become the schema's enum
-            self.hypothesis_schema = create_model("Hypothesis", __base__=Hypothesis,
-                                                  strategy=(Literal.__getitem__(tuple(self.renderer.strategies)),
-                                                            ...))
+        self.hypothesis_schema = hypothesis_schema(getattr(self.renderer, "strategies", None),
+                                                   getattr(self.renderer, "hypothesis_descriptions", None))
 
     # -- agents ------------------------------------------------------------------------------
     def verify_task(self) -> tuple[dict[str, Any] | None, str]:
@@ -566,6 +581,7 @@ class STACE:
                     raise ValueError("every probe prompt is empty")
 
             plan = self.gw.ask("code", "probe_plan", {"task": task, "hypothesis": h.model_dump_json(),
+                                                      "examples": list(h.prompts),
                                                       "k": self.s.k, "concept": self.concept,
                                                       "name_concept": self.s.name_concept},
                                self.plan_schema, check)

@@ -193,6 +193,9 @@ class ChatRenderer:
     plan_schema = ChatProbePlan
     strategies = CHAT_STRATEGIES
     api_doc = CHAT_API_DOC
+    hypothesis_descriptions = {
+        "prompts": "example user messages to the chat model that instantiate the hypothesis",
+        "evaluation": "how its replies are evaluated: the evaluator and what it must find"}
 
     def __init__(self, target: ChatTarget, evaluator: Evaluator, reply_dir: Path | None = None) -> None:
         self.target = target

@@ -134,6 +134,8 @@ def test_chat_target_run_through_scripted_server_metrics_replies_and_canary(env,
     hyp = next(r for r in agents if "Hypothesis Generator" in system(r))
     schema = hyp["response_format"]["json_schema"]["schema"]
     assert tuple(schema["properties"]["strategy"]["enum"]) == CHAT_STRATEGIES
+    assert schema["properties"]["evaluation"]["description"].startswith("how its replies are evaluated")
+    assert schema["properties"]["prompts"]["maxItems"] == 12  # the field's own bounds are kept
     plan = next(r for r in agents if "probe-plan mode" in system(r))["response_format"]["json_schema"]["schema"]
     assert set(plan["$defs"]["ChatProbe"]["properties"]) == {"prompt", "seed"}
     # the experience record words the result in replies
