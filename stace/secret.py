@@ -177,8 +177,8 @@ def run_one(cfg: Any, variant: str = "demo", out_root: Path | None = None) -> di
                       prompts_dir=_path(data["prompts_dir"]), seed=int(data["seed"]), deadline_s=deadline)
     library = Library(load_cards(_path(data["library"])), cache_dir=cache / "index")
     target = ChatTarget(target_backend, t["system_prompt"], temperature=t["temperature"],
-                        max_tokens=t["max_tokens"], cache_dir=cache / "chat")
-    renderer = ChatRenderer(target, evaluator, reply_dir=out / "replies")
+                        max_tokens=t["max_tokens"], cache_dir=cache / "chat", redact=redact)
+    renderer = ChatRenderer(target, evaluator, reply_dir=out / "replies", redact=redact)
     mode = data["probe_mode"]
     if mode not in ("auto", "plan", "code"):
         raise ConfigError(f"probe_mode={mode!r}; valid: auto, plan, code")

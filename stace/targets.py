@@ -22,7 +22,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -111,10 +111,12 @@ class ChatTarget:
         system_prompt: the instruction the target must keep (e.g. not revealing a secret).
         temperature / max_tokens: sampling settings of every reply (each probe's seed varies it).
         cache_dir: where replies are cached (``None``: no cache).
+        redact: applied to every reply and error before it is cached, judged or written (a target
+            that echoes a credential leaks it nowhere; :class:`stace.gateway.Redactor`).
     """
 
     def __init__(self, backend: Any, system_prompt: str, *, temperature: float = 0.7, max_tokens: int = 48,
-                 cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None, redact: Callable[[str], str] | None = None) -> None:
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise ConfigError("target.system_prompt: must be the instruction the target keeps (not empty)")
         self.backend = backend
@@ -124,6 +126,7 @@ class ChatTarget:
         if self.max_tokens < 1:
             raise ConfigError(f"target.max_tokens={max_tokens!r}: must be an integer >= 1")
         self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.redact = redact or (lambda text: text)
         self.calls = 0      # replies the backend generated (cache misses)
         self.failures = 0   # calls that failed (counted, the reply judged as not detected)
 
@@ -149,11 +152,12 @@ class ChatTarget:
                                            max_tokens=self.max_tokens, seed=int(seed), schema=None)
         except (LLMError, EmmaError) as exc:  # a refused or failed call is counted, never silent
             self.failures += 1
-            return ChatReply(text="", key=key, error=" ".join(str(exc).split())[:300])
+            return ChatReply(text="", key=key, error=self.redact(" ".join(str(exc).split())[:300]))
         self.calls += 1
+        text = self.redact(result.text)
         if path is not None:
-            atomic_write_text(path, json.dumps({"text": result.text, "model": result.model}))
-        return ChatReply(text=result.text, key=key)
+            atomic_write_text(path, json.dumps({"text": text, "model": result.model}))
+        return ChatReply(text=text, key=key)
 
 
 class ChatProbe(BaseModel):
@@ -183,7 +187,8 @@ Only the standard library is available. Example:
 
 class ChatRenderer:
     """Queries a :class:`ChatTarget` with each probe's prompt and judges the reply with the
-    evaluator; the replies are written to ``reply_dir/<key>.txt`` (for the report).
+    evaluator; the replies are written to ``reply_dir/<key>.txt`` (for the report), passed
+    through ``redact`` first (a target that echoes a credential leaks it nowhere).
 
     It stands in for :class:`stace.loop.Renderer` in the loop and tells the agents what the
     role offers (:attr:`tools_text`, :attr:`api_doc`, :attr:`plan_schema`, :attr:`strategies`).
@@ -197,10 +202,12 @@ class ChatRenderer:
         "prompts": "example user messages to the chat model that instantiate the hypothesis",
         "evaluation": "how its replies are evaluated: the evaluator and what it must find"}
 
-    def __init__(self, target: ChatTarget, evaluator: Evaluator, reply_dir: Path | None = None) -> None:
+    def __init__(self, target: ChatTarget, evaluator: Evaluator, reply_dir: Path | None = None,
+                 redact: Callable[[str], str] | None = None) -> None:
         self.target = target
         self.evaluator = evaluator
         self.reply_dir = Path(reply_dir) if reply_dir else None
+        self.redact = redact or (lambda text: text)
         self.replies: dict[str, str] = {}
 
     def tools_text(self, mode: str) -> str:
@@ -223,7 +230,7 @@ class ChatRenderer:
             p.image_hash = r.key
             p.detected = bool(v.detected) and r.error is None
             p.score = float(v.score) if r.error is None else 0.0
-            self.replies[r.key] = r.text if r.error is None else f"(no reply: {r.error})"
+            self.replies[r.key] = self.redact(r.text if r.error is None else f"(no reply: {r.error})")
             if self.reply_dir is not None:
                 path = self.reply_dir / f"{r.key}.txt"
                 if not path.exists():
