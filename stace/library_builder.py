@@ -296,8 +296,8 @@ def build_gateway(llm: str, overrides: Sequence[str], out: Path) -> tuple[Any, A
     role = RoleSettings(model=model, temperature=float(stace_cfg["temperatures"]["papercard"]),
                         max_tokens=int(backend.max_tokens or 1024))
     redact = Redactor([getattr(backend, "api_key_env", None)], [getattr(backend, "base_url", None)])
-    gateway = Gateway(backend, {"papercard": role}, trace=Trace(out / "trace.jsonl", redact),
-                      cache_dir=out / "llm_cache", deadline_s=deadline)
+    # no reply cache: a refused paper is asked again (sources.json is what makes the build incremental)
+    gateway = Gateway(backend, {"papercard": role}, trace=Trace(out / "trace.jsonl", redact), deadline_s=deadline)
     return gateway, backend
 
 
