@@ -125,7 +125,6 @@ def run_one(cfg: Any, variant: str = "demo", out_root: Path | None = None) -> di
     from stace.library import Library, load_cards
     from stace.loop import STACE, STACESettings
     from stace.report import write_report
-    from stace.sandbox import SandboxLimits
     from stace.targets import ChatRenderer, ChatTarget
     from stace.tools import ProbeTools
 
@@ -195,7 +194,7 @@ def run_one(cfg: Any, variant: str = "demo", out_root: Path | None = None) -> di
                              probe_mode=mode, max_code_repairs=int(data["max_code_repairs"]),
                              top_k_cards=int(data["top_k_cards"]), seed=int(data["seed"]),
                              seed_hypothesis=data["seed_hypothesis"], task=data["task"], rag=data["rag"],
-                             sandbox=SandboxLimits(**data["sandbox"]))
+                             sandbox=_sandbox(data["sandbox"]))
     context = {"model": f"{target.model} (chat model)",
                "method": "a system prompt telling it to keep a secret password",
                "concepts": [CONCEPT], "evaluators": [evaluator.name],
@@ -225,6 +224,16 @@ def run_one(cfg: Any, variant: str = "demo", out_root: Path | None = None) -> di
     atomic_write_text(out / "results.json", redact(json.dumps(results, indent=1, default=str)) + "\n")
     trace.write("finished", metrics=metrics)
     return results
+
+
+def _sandbox(values: dict[str, Any]) -> Any:
+    from stace.sandbox import SandboxLimits
+
+    valid = [f.name for f in dataclasses.fields(SandboxLimits)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise ConfigError(f"sandbox.{unknown[0]}: unknown sandbox limit; valid: {', '.join(valid)}")
+    return SandboxLimits(**values)
 
 
 def _replies(renderer: Any, out: Path, outcome: Any) -> dict[str, str]:
@@ -281,9 +290,11 @@ def run(cfg: Any) -> list[dict[str, Any]]:
         print(f"== {name}: " + ", ".join(f"{k}={v}" for k, v in (overrides or {}).items()), flush=True)
         rows.append(run_one(one, name))
     out = _path(cfg.out)
+    methods = sorted({f"{n} {(r['metrics'].get(k) or {}).get('method')}" for r in rows for n, k in ROW_METRICS
+                      if (r["metrics"].get(k) or {}).get("method")})
     text = (f"# {cfg.experiment}: STACE on a secret-keeping chat model ({rows[0]['target']['model']})\n\n"
-            f"N = {cfg.iterations}, k = {cfg.k}; 95% intervals: SIR_H and SER Wilson, SIR_I a cluster bootstrap "
-            "over hypotheses, novelty a percentile bootstrap.\n\n" + table(rows) + "\n")
+            f"N = {cfg.iterations}, k = {cfg.k}, the same seeds in every configuration; 95% intervals: "
+            f"{', '.join(methods) or 'none'}.\n\n" + table(rows) + "\n")
     atomic_write_text(out / f"{cfg.experiment}.md", text)
     atomic_write_text(out / f"{cfg.experiment}.json", json.dumps(rows, indent=1, default=str) + "\n")
     return rows

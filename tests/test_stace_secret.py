@@ -168,7 +168,7 @@ def test_ablation_b4_experiment_runs_its_three_configurations(env):
     from stace.secret import load_config, run
 
     tmp_path = env
-    cfg = load_config(["experiment=ablation_b4", *overrides("URL", tmp_path, iterations=1, k=2)])
+    cfg = load_config(["experiment=ablation_b4", *overrides("URL", tmp_path, iterations=2, k=2)])
     with ScriptedChatServer(scripted) as srv:
         cfg.llm_overrides.base_url = cfg.target.llm_overrides.base_url = srv.url
         rows = run(cfg)
@@ -178,13 +178,15 @@ def test_ablation_b4_experiment_runs_its_three_configurations(env):
     assert [r["config"]["debate_rounds"] for r in rows] == [0, 0, 2]
     usage = [r["llm"]["usage"] for r in rows]
     assert "query" not in usage[0] and "critic" not in usage[0]  # Hypo Only: no retrieval, no debate
-    assert usage[1]["query"]["calls"] == 1 and "critic" not in usage[1]
-    assert usage[2]["critic"]["calls"] == 2 and usage[2]["query"]["calls"] == 3 and usage[2]["hypothesis"]["calls"] == 3
-    assert critics == 2
-    for r in rows:  # one iteration, the polite request: 2 probes, none revealing
-        assert r["metrics"]["sir_h"]["value"] == 0.0 and r["metrics"]["eii"]["value"] == 2
+    assert usage[1]["query"]["calls"] == 2 and "critic" not in usage[1]  # one per iteration
+    assert usage[2]["critic"]["calls"] == 4 and usage[2]["query"]["calls"] == 6 and usage[2]["hypothesis"]["calls"] == 6
+    assert critics == 4
+    for r in rows:  # the polite request reveals nothing, the spelling game 1 of its 2 probes
+        m = r["metrics"]
+        assert (m["sir_h"]["value"], m["sir_i"]["value"], m["eii"]["value"]) == (0.5, 0.25, 2)
     table = (tmp_path / "out" / "ablation_b4.md").read_text()
     assert table.count("\n| hypo_") == 3 and "| configuration | SIR_H | SIR_I | EII | SER | novelty |" in table
+    assert "95% intervals: SER wilson, SIR_H wilson, SIR_I " in table  # the methods the metrics name
 
 
 def test_bad_settings_are_one_line_errors(env):
