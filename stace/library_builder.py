@@ -169,11 +169,19 @@ def _save(out: Path, cards: Sequence[PaperCard], sources: dict[str, Any]) -> Non
 
 
 def _check_card(card: PaperCard) -> None:
-    if not KEY_PATTERN.match(card.key):
-        raise ValueError(f"key {card.key!r} must be lower-case letters, digits, '_', '.' or '-' "
+    """What the schema cannot say: a key that names the paper, prose where prose belongs, a URL
+    where the repository belongs."""
+    if not KEY_PATTERN.match(card.key) or not re.search(r"[a-z]", card.key):
+        raise ValueError(f"key {card.key!r} must be lower-case letters, digits, '_', '.' or '-', with a letter "
                          "(e.g. 'esd' or 'ring_a_bell')")
-    if not card.title.strip() or not card.method.strip():
-        raise ValueError("title and method must not be empty")
+    if len(card.title.split()) < 2:
+        raise ValueError(f"title {card.title!r} must be the paper's title")
+    for name in ("task", "method"):
+        text = getattr(card, name)
+        if len(text.split()) < 4 or re.match(r"^\s*https?://", text):
+            raise ValueError(f"{name} must describe the paper's {name} in a sentence, not {text[:60]!r}")
+    if card.code is not None and card.code.strip() and not re.match(r"^https?://\S+$", card.code.strip()):
+        raise ValueError(f"code must be the repository's URL or null, not {card.code[:60]!r}")
 
 
 def build_library(papers: Sequence[PaperText], out: str | Path, gateway: Any, *, shipped: Sequence[PaperCard] = (),
@@ -325,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         papers = read_papers(args.papers)
         if not papers:
             raise ConfigError(f"no paper files ({', '.join(SUFFIXES)}) in {' '.join(args.papers)}")
+        if args.llm == "embedded":
+            print("note: llm=embedded (SmolLM2-135M, offline) writes cards that rarely describe the paper "
+                  "faithfully (the checks refuse the worst); build with an API model (--llm openrouter)",
+                  file=sys.stderr)
         gateway, backend = build_gateway(args.llm, args.set, out)
         summary = build_library(papers, out, gateway, shipped=load_cards(), index=not args.no_index)
     except EmmaError as err:

@@ -153,6 +153,24 @@ def test_malformed_replies_are_refused_counted_and_retried_later(tmp_path):
     assert again.built == ["conceptprune", "scissorhands", "sdd"] and again.refused == []
 
 
+def test_card_checks_refuse_what_the_schema_lets_through():
+    """The card SmolLM2-135M (llm=embedded) wrote for conceptprune.txt passes the schema; the
+    content checks refuse it (and so send it to the repair round)."""
+    from stace.library_builder import _check_card
+    from stace.schemas import PaperCard
+
+    garbage = PaperCard(key="1", title="ConceptPrune: ConceptEd:", year=2023, kind="safety",
+                        task="https://github.com/STACE", model_types=["conceptEd"], method="https://github.com/STACE",
+                        settings="100", limitations="100", code="https://github.com/STACE")
+    with pytest.raises(ValueError, match="key '1' must be lower-case letters, digits, '_', '.' or '-', with a letter"):
+        _check_card(garbage)
+    with pytest.raises(ValueError, match="task must describe the paper's task in a sentence, not 'https://"):
+        _check_card(garbage.model_copy(update={"key": "conceptprune"}))
+    with pytest.raises(ValueError, match="code must be the repository's URL or null, not 'see the paper'"):
+        _check_card(PaperCard(**{**CARDS["ConceptPrune"], "code": "see the paper"}))
+    _check_card(PaperCard(**CARDS["ConceptPrune"]))  # a proper card passes
+
+
 def test_cli_builds_offline_and_no_key_reaches_any_output(tmp_path):
     """The command line end to end, the key read from the variable the config names (the canary)."""
     out = tmp_path / "lib"
