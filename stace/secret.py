@@ -301,8 +301,12 @@ def run(cfg: Any) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        cfg = load_config(args)
         rows = run(cfg)
     except EmmaError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
