@@ -262,7 +262,8 @@ ROW_METRICS = (("SIR_H", "sir_h"), ("SIR_I", "sir_i"), ("EII", "eii"), ("SER", "
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of results (one row per configuration)."""
-    head = "| configuration | " + " | ".join(n for n, _ in ROW_METRICS) + " | LLM calls (failed) | target replies | s |"
+    head = ("| configuration | " + " | ".join(n for n, _ in ROW_METRICS)
+            + " | LLM calls (failed) | target replies generated (others cached) | s |")
     lines = [head, "|" + "---|" * (len(ROW_METRICS) + 4)]
     for r in rows:
         calls = sum(u["calls"] for u in r["llm"]["usage"].values())
