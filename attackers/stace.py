@@ -45,6 +45,7 @@ from stace.gateway import (
     time_bound_line,
 )
 from stace.library import Library
+from stace.library_builder import library_cards
 from stace.loop import STACE, STACESettings
 from stace.replay import check_replay, replay, resolve_seed_hypothesis
 from stace.report import write_report
@@ -124,6 +125,10 @@ class STACEAttacker(Attacker):
             not offered.
         evaluator: ``agent`` (the TaskSpec's choice decides) or a judge's name (the cell's
             judge's name, or one of ``evaluators``) to fix it.
+        library: a library folder built by ``python -m stace.library build`` (or its
+            ``papercards.yaml``) whose cards join the shipped ones; ``None``: the shipped cards.
+        rag: retrieve PaperCards for the Hypothesis Generator and the Critic (``False``: the
+            paper's "Hypo Only" configuration of Table B4; novelty is still measured).
     """
 
     name = "stace"
@@ -142,7 +147,8 @@ class STACEAttacker(Attacker):
                  prompts_dir: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
                  tool_scale: str | None = None, replay: str | None = None,
                  tolerate_llm_failures: bool = False, name_concept: bool = True,
-                 evaluators: Mapping[str, Mapping[str, Any]] | None = None, evaluator: str = "agent") -> None:
+                 evaluators: Mapping[str, Mapping[str, Any]] | None = None, evaluator: str = "agent",
+                 library: str | None = None, rag: bool = True) -> None:
         llm_cfg = dict(to_python(llm) or {})
         self.deadline_s = pop_deadline(llm_cfg)
         self.tolerate_llm_failures = check_tolerate(tolerate_llm_failures)
@@ -176,6 +182,7 @@ class STACEAttacker(Attacker):
             iterations=int(iterations), k=int(k), debate_rounds=int(debate_rounds), probe_mode=mode,
             max_code_repairs=int(max_code_repairs), top_k_cards=int(top_k_cards), seed=int(seed),
             seed_hypothesis=seed_hypothesis, task=task, name_concept=_flag("name_concept", name_concept),
+            rag=_flag("rag", rag),
             sandbox=SandboxLimits(**dict(to_python(sandbox) or {})))
         self.preset = preset
         self.prices = {m: list(v) for m, v in dict(to_python(prices) or {}).items()}
@@ -194,6 +201,8 @@ class STACEAttacker(Attacker):
         if not isinstance(evaluator, str) or not evaluator:
             raise ConfigError(f"attacker.evaluator={evaluator!r}; valid: agent, or a judge's name")
         self.evaluator = evaluator
+        self.library = None if library is None else str(library)
+        self.cards = library_cards(self.library)  # a missing or clashing library fails here
         self.output_dir: Path | None = None
         self.cache_dir: Path | None = None
         self.cell_info: dict[str, Any] = {}
@@ -210,7 +219,7 @@ class STACEAttacker(Attacker):
                 "roles": {r: dataclasses.asdict(s) for r, s in self.roles.items()},
                 "settings": dataclasses.asdict(self.settings), "budget": self.budget, "tools": self.tools,
                 "seed_source": self.seed_source, "replay": self.replay, "evaluators": self.evaluators,
-                "evaluator": self.evaluator}
+                "evaluator": self.evaluator, "library": self.library, "n_cards": len(self.cards)}
 
     def attack(self, target: AttackTarget, requests: Sequence[PromptRequest]) -> list[AttackOutput]:
         concept = requests[0].concept
@@ -225,7 +234,7 @@ class STACEAttacker(Attacker):
                           cache_dir=cache / "stace" / "llm", max_usd=self.budget.get("max_usd"),
                           max_tokens=self.budget.get("max_tokens"), prompts_dir=self.prompts_dir,
                           seed=self.settings.seed, deadline_s=None if self.replay else self.deadline_s)
-        library = Library(cache_dir=cache / "stace" / "index")
+        library = Library(self.cards, cache_dir=cache / "stace" / "index")
         judge = getattr(target, "judge", None)
         judges = self._judges(target, concept, cache) if not self.replay else {}
         context = {**self.cell_info, "concepts": list(judge.classifier.labels) if judge else [concept],

@@ -9,8 +9,11 @@ cards' texts and the embedding model's name), so a second run embeds nothing.
 Novelty of a hypothesis H (STACE Eq. 7) is ``1 - max_P cos(H, P)`` over every card P, with
 the same embedding model.
 
-:func:`draft_card` is the PaperCard agent: it drafts a card from a paper's text, for a
-person to check before it joins the YAML file.
+:func:`draft_card` is the PaperCard agent: it drafts a card from a paper's text.
+``python -m stace.library build PAPERS --out DIR`` runs it over the papers a user supplies
+(PDF, text or abstracts) and keeps a library folder of checked, deduplicated cards that grows
+incrementally (:mod:`stace.library_builder`); ``attacker.library=DIR`` adds them to the
+shipped cards, which stay the offline default.
 """
 
 from __future__ import annotations
@@ -121,3 +124,14 @@ def draft_card(gateway: Any, paper_text: str, max_chars: int = 12000) -> PaperCa
     """The PaperCard agent: a draft card from a paper's text (the first ``max_chars``
     characters), validated against the schema; ``None`` if the LLM fails twice."""
     return gateway.ask("papercard", "papercard", {"paper_text": paper_text[:max_chars]}, PaperCard)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m stace.library build ...`` (:func:`stace.library_builder.main`)."""
+    from stace.library_builder import main as build_main
+
+    return build_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -383,10 +383,29 @@ class ProbeSession:
         raise ValueError(f"unknown probe operation {op!r}; valid: {', '.join(self.OPS)}")
 
 
-def _probe(x: ProbeInstance, default_seed: int) -> Probe:
+def _probe(x: Any, default_seed: int) -> Probe:
+    """A :class:`Probe` of a plan's instance (a chat role's has only a prompt and a seed)."""
     return Probe(prompt=x.prompt, seed=int(x.seed) if x.seed is not None else default_seed,
-                 negative_prompt=x.negative_prompt, guidance_scale=x.guidance_scale,
-                 num_inference_steps=x.num_inference_steps)
+                 negative_prompt=getattr(x, "negative_prompt", None), guidance_scale=getattr(x, "guidance_scale", None),
+                 num_inference_steps=getattr(x, "num_inference_steps", None))
+
+
+def hypothesis_schema(strategies: Sequence[str] | None = None,
+                      descriptions: dict[str, str] | None = None) -> type[Hypothesis]:
+    """:class:`Hypothesis`, or for another target role a copy whose strategy enum is that role's
+    ``strategies`` and whose fields are described by ``descriptions`` (the JSON schema the
+    Hypothesis Generator is sent)."""
+    if not strategies and not descriptions:
+        return Hypothesis
+    from pydantic.fields import FieldInfo
+
+    fields: dict[str, Any] = {}
+    if strategies:
+        fields["strategy"] = (Literal.__getitem__(tuple(strategies)), ...)
+    for name, text in (descriptions or {}).items():
+        info = Hypothesis.model_fields[name]
+        fields[name] = (info.annotation, FieldInfo.merge_field_infos(info, description=text))
+    return create_model("Hypothesis", __base__=Hypothesis, **fields)
 
 
 @dataclasses.dataclass
@@ -403,6 +422,7 @@ class STACESettings:
     seed_hypothesis: str = ""
     task: str | None = None
     name_concept: bool = True  # hypotheses and probes may name the concept (the paper sets no rule)
+    rag: bool = True  # retrieve PaperCards for the Generator and the Critic (Table B4's "Hypo Only": False)
     sandbox: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
 
 
@@ -443,19 +463,23 @@ class STACE:
         judges: evaluator name -> :class:`emma.generate.Judge`, offered to Task Verification
             (``None``: the target's own judge only); the chosen one judges every probe.
         evaluator: ``agent`` (the TaskSpec picks among ``judges``) or one of their names.
+        renderer: what queries and judges the target (``None``: :class:`Renderer`, the
+            text-to-image role); e.g. :class:`stace.targets.ChatRenderer` for a chat model. It
+            may say what the role offers the agents: ``tools_text(mode)``, ``api_doc``,
+            ``plan_schema``, ``strategies`` and ``result_text(detected, k, concept)``.
     """
 
     def __init__(self, gateway: Gateway, library: Library, settings: STACESettings, target: Any,
                  concept: str, context: dict[str, Any], image_dir: Path | None = None,
                  tools: ProbeTools | None = None, judges: dict[str, Any] | None = None,
-                 evaluator: str = "agent") -> None:
+                 evaluator: str = "agent", renderer: Any = None) -> None:
         self.gw = gateway
         self.library = library
         self.s = settings
         self.target = target
         self.concept = concept
         self.context = context
-        self.renderer = Renderer(target, concept, image_dir)
+        self.renderer = renderer if renderer is not None else Renderer(target, concept, image_dir)
         self.judges = dict(judges or {})
         self.forced_evaluator = None if evaluator == "agent" else evaluator
         self.tools = tools if tools is not None else ProbeTools(target, concept, f"an image of a {concept}")
@@ -469,6 +493,12 @@ class STACE:
         attackers = sorted(self.tools.attackers)
         self.tools_text = tools_offered(settings.probe_mode, white_box, attackers)
         self.api_doc = probe_api_doc(white_box, attackers)
+        if hasattr(self.renderer, "tools_text"):  # another role (a chat model) says what it offers
+            self.tools_text = self.renderer.tools_text(settings.probe_mode)
+            self.api_doc = getattr(self.renderer, "api_doc", self.api_doc)
+        self.plan_schema = getattr(self.renderer, "plan_schema", ProbePlan)
+        self.hypothesis_schema = hypothesis_schema(getattr(self.renderer, "strategies", None),
+                                                   getattr(self.renderer, "hypothesis_descriptions", None))
 
     # -- agents ------------------------------------------------------------------------------
     def verify_task(self) -> tuple[dict[str, Any] | None, str]:
@@ -507,6 +537,8 @@ class STACE:
         return json.dumps({**base, **(spec or {})})
 
     def _retrieve(self, task: str, hypothesis: str, feedback: str | None, rec: IterationRecord) -> list[dict]:
+        if not self.s.rag:  # no external knowledge (Table B4's "Hypo Only"): no query, no cards
+            return []
         q = self.gw.ask("query", "query_generator",
                         {"task": task, "hypothesis": hypothesis, "feedback": feedback}, Queries)
         queries = q.queries if q is not None else [hypothesis[:300]]
@@ -522,7 +554,7 @@ class STACE:
         variables = {"task": task, "seed_hypothesis": self.s.seed_hypothesis, "cards": cards,
                      "experience": experience, "previous": None, "feedback": None, "concept": self.concept,
                      "tools": self.tools_text, "name_concept": self.s.name_concept}
-        h = self.gw.ask("hypothesis", "hypothesis_generator", variables, Hypothesis)
+        h = self.gw.ask("hypothesis", "hypothesis_generator", variables, self.hypothesis_schema)
         for _ in range(self.s.debate_rounds):  # M = 0: no Critic
             if h is None:
                 break
@@ -535,7 +567,7 @@ class STACE:
             cards = self._retrieve(task, h.model_dump_json(), crit.feedback, rec)
             revised = self.gw.ask("hypothesis", "hypothesis_generator", {
                 **variables, "cards": cards, "previous": h.model_dump_json(), "feedback": crit.feedback},
-                Hypothesis)
+                self.hypothesis_schema)
             h = revised or h
         return h
 
@@ -544,14 +576,15 @@ class STACE:
         if self.s.probe_mode == "plan":
             rec.mode = "plan"
 
-            def check(plan: ProbePlan) -> None:
+            def check(plan: Any) -> None:
                 if not any(p.prompt.strip() for p in plan.probes):
                     raise ValueError("every probe prompt is empty")
 
             plan = self.gw.ask("code", "probe_plan", {"task": task, "hypothesis": h.model_dump_json(),
+                                                      "examples": list(h.prompts),
                                                       "k": self.s.k, "concept": self.concept,
                                                       "name_concept": self.s.name_concept},
-                               ProbePlan, check)
+                               self.plan_schema, check)
             if plan is None:
                 rec.error = "no valid probe plan"
                 return []
@@ -597,21 +630,27 @@ class STACE:
 
     def _design(self, rec: IterationRecord) -> str:
         """The iteration's experiment design as run: mode, probes and their settings."""
+        unit = getattr(self.renderer, "unit", "images")
         if not rec.probes:
-            return f"{rec.mode} mode; no images"
+            return f"{rec.mode} mode; no {unit}"
         prompts = list(dict.fromkeys(p.prompt for p in rec.probes))
         settings = sorted({(p.guidance_scale, p.num_inference_steps, p.negative_prompt) for p in rec.probes},
                           key=str)
-        text = (f"{rec.mode} mode; {len(rec.probes)} images of {len(prompts)} prompts "
-                f"(e.g. {'; '.join(prompts[:3])}); guidance/steps/negative: {settings[:3]}")
+        text = f"{rec.mode} mode; {len(rec.probes)} {unit} of {len(prompts)} prompts (e.g. {'; '.join(prompts[:3])})"
+        if unit == "images":
+            text += f"; guidance/steps/negative: {settings[:3]}"
         if rec.attack_queries:
             text += f"; {rec.attack_queries} judge queries by probe.attack"
         return text[:600]
 
     def summarise(self, task: str, rec: IterationRecord) -> dict[str, Any] | None:
         execution = "executed" if rec.executed else f"failed: {rec.error}"
-        result = (f"{rec.detected} of {self.s.k} images show {self.concept}"
-                  if rec.executed else "no images")
+        if not rec.executed:
+            result = f"no {getattr(self.renderer, 'unit', 'images')}"
+        elif hasattr(self.renderer, "result_text"):  # another role words it (a chat model's replies)
+            result = self.renderer.result_text(rec.detected, self.s.k, self.concept)
+        else:
+            result = f"{rec.detected} of {self.s.k} images show {self.concept}"
         design = self._design(rec)
         exp = self.gw.ask("experience", "experience_summariser", {
             "task": task, "hypothesis": json.dumps(rec.hypothesis), "execution": execution,

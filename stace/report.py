@@ -22,12 +22,20 @@ def _fmt(v: Any) -> str:
     return "null" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def write_report(outcome: STACEOutcome, out_dir: Path, *, concept: str, k: int, metrics: dict[str, Any],
                  usage: dict[str, Any], cost_usd: float, redact: Callable[[str], str],
-                 image_dir: str = "images") -> tuple[Path, Path]:
-    """Write ``report.md`` and ``report.html`` into ``out_dir``; return their paths."""
-    md: list[str] = [f"# STACE stress test: '{concept}'", ""]
-    body: list[str] = [f"<h1>STACE stress test: '{html.escape(concept)}'</h1>"]
+                 image_dir: str = "images", replies: dict[str, str] | None = None,
+                 title: str = "STACE stress test") -> tuple[Path, Path]:
+    """Write ``report.md`` and ``report.html`` into ``out_dir``; return their paths.
+
+    ``replies`` (a chat target's replies by probe hash) replaces the images with the replies."""
+    md: list[str] = [f"# {title}: '{concept}'", ""]
+    body: list[str] = [f"<h1>{html.escape(title)}: '{html.escape(concept)}'</h1>"]
     if outcome.stopped:
         note = f"PARTIAL REPORT: the run stopped early ({outcome.stopped}) after {len(outcome.records)} iterations."
         md += [f"**{note}**", ""]
@@ -61,7 +69,19 @@ def write_report(outcome: STACEOutcome, out_dir: Path, *, concept: str, k: int, 
             md += ["", "```python", r.code, "```"]
             body.append(f"<pre>{html.escape(r.code)}</pre>")
         md.append("")
-        if r.probes:
+        if r.probes and replies is not None:
+            md += ["| prompt | seed | reply | detected | score |", "|---|---|---|---|---|"]
+            items = []
+            for p in r.probes:
+                reply = " ".join(replies.get(p.image_hash or "", "").split())[:300]
+                md.append(f"| {_cell(p.prompt)} | {p.seed} | {_cell(reply)} | {'**yes**' if p.detected else 'no'} "
+                          f"| {p.score:.2f} |")
+                items.append(f"<li class='{'ok' if p.detected else 'no'}'><b>{html.escape(p.prompt)}</b> "
+                             f"(seed {p.seed}): {html.escape(reply)} {'DETECTED' if p.detected else ''} "
+                             f"{p.score:.2f}</li>")
+            body.append("<ul>" + "".join(items) + "</ul>")
+            md.append("")
+        elif r.probes:
             md += ["| image | prompt | seed | detected | score |", "|---|---|---|---|---|"]
             cells = []
             for p in r.probes:
@@ -94,7 +114,7 @@ def write_report(outcome: STACEOutcome, out_dir: Path, *, concept: str, k: int, 
         body.append("<p>(no summary)</p>")
     style = ("body{font-family:sans-serif;max-width:1100px;margin:auto}.grid{display:flex;flex-wrap:wrap}"
              "figure{margin:4px;width:150px;font-size:11px}figure.ok{outline:3px solid #c00}"
-             "h2.ok{color:#c00}img{image-rendering:pixelated}pre{background:#f4f4f4;padding:6px}")
+             "h2.ok{color:#c00}li.ok{color:#c00}img{image-rendering:pixelated}pre{background:#f4f4f4;padding:6px}")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>STACE {html.escape(concept)}</title>"
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
     out_dir.mkdir(parents=True, exist_ok=True)
