@@ -410,11 +410,11 @@ def show_sweep(argv: list[str]) -> int:
 def cli() -> None:
     from emma import startup
 
-    startup.defer_gc()  # until the cell's model is loaded (the model stage), or this ends
+    startup.defer_gc()  # until the cell's model is loaded (the model stage)
     try:
         _cli(sys.argv[1:])
     finally:
-        startup.restore_gc()
+        startup.end()
 
 
 def _cli(argv: list[str]) -> None:

@@ -8,10 +8,19 @@ project's 2-core machine that was about 15% of the import time, and it frees nea
 (what an import creates lives as long as the process).
 
 :func:`defer_gc` raises the young generation's threshold while the command starts, and
-:func:`restore_gc` puts the thresholds back once the cell's model is loaded (the
-``model`` stage) or the command ends. Only *when* unreachable reference cycles are freed
-changes: no image, score or number depends on it. Memory is bounded as before (collections
-still run, every 100,000 allocations; objects without cycles are freed at once as always).
+:func:`restore_gc` puts the thresholds back once the cell's model is loaded (the ``model``
+stage), moving everything alive then into the collector's permanent generation
+(``gc.freeze``): the modules, the configuration and the model live as long as the cell, and
+later full collections no longer traverse them (otherwise one comes due during the first
+generation batch and walks the million import-time objects). :func:`end` unfreezes them when
+the cell ends (or the command), so that what a cell drops can be collected: a sweep's later
+cells in the same process, a test session that runs the command line again.
+
+Only *when* unreachable reference cycles are freed changes: no image, score or number
+depends on it. Memory stays bounded: young collections still run (every 100,000
+allocations), objects without cycles are freed at once as always, and the cycles alive at the
+freeze (a few hundred small objects for the default cell) wait for :func:`end`. Only the
+command line defers and freezes; a library caller's stages leave the collector alone.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ START_THRESHOLDS = (100_000, 50, 1_000)
 allocations, an older one every 50 of those, a full one every 1,000 older ones."""
 
 _saved: tuple[int, int, int] | None = None
+_frozen = False
 
 
 def defer_gc() -> None:
@@ -35,11 +45,24 @@ def defer_gc() -> None:
 
 
 def restore_gc() -> None:
-    """The collector's thresholds as they were before :func:`defer_gc` (no-op without it)."""
-    global _saved
+    """Freeze what is alive and put back the thresholds of :func:`defer_gc` (no-op without it,
+    e.g. when a library caller runs the ``model`` stage)."""
+    global _saved, _frozen
     if _saved is not None:
+        gc.freeze()
+        _frozen = True
         gc.set_threshold(*_saved)
         _saved = None
+
+
+def end() -> None:
+    """The cell (or the command) is over: thresholds restored, and what :func:`restore_gc` froze
+    can be collected again."""
+    global _frozen
+    restore_gc()
+    if _frozen:
+        gc.unfreeze()
+        _frozen = False
 
 
 def gc_deferred() -> bool:

@@ -21,24 +21,37 @@ FAST = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", 
 def thresholds():
     """The collector's thresholds before the test, put back after it whatever it did."""
     before = gc.get_threshold()
+    assert gc.get_freeze_count() == 0
     yield before
-    startup.restore_gc()
+    startup.end()
     gc.set_threshold(*before)
+    gc.unfreeze()
 
 
-def test_defer_and_restore_gc(thresholds):
+def test_defer_restore_and_end(thresholds):
     startup.defer_gc()
     assert gc.get_threshold() == startup.START_THRESHOLDS and startup.gc_deferred()
     startup.defer_gc()  # idempotent: restores the thresholds of the first call, not the raised ones
     startup.restore_gc()
     assert gc.get_threshold() == thresholds and not startup.gc_deferred()
-    startup.restore_gc()  # without a defer: nothing
+    assert gc.get_freeze_count() > 0  # what was alive at the end of the start-up: frozen
+    startup.restore_gc()  # again, or without a defer: nothing
     assert gc.get_threshold() == thresholds
+    startup.end()
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
+
+
+def test_without_a_defer_nothing_is_frozen(thresholds):
+    """A library caller's model stage (no command line) leaves the collector alone."""
+    startup.restore_gc()
+    startup.end()
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
 
 
 def test_the_cli_defers_gc_until_the_model_is_loaded(tmp_path, monkeypatch, thresholds):
     """Composition, validation and loading the pipeline run with the raised thresholds; the
-    first image is drawn with the collector as it was, and the command leaves it so."""
+    first image is drawn with the collector's own thresholds and the start-up frozen, and the
+    command leaves the collector as it found it (nothing frozen)."""
     from emma import run
     from emma.generate import CachedGenerator
     from emma.stages import model
@@ -52,6 +65,7 @@ def test_the_cli_defers_gc_until_the_model_is_loaded(tmp_path, monkeypatch, thre
 
     def draw(self, *args, **kwargs):
         seen.setdefault("draw", gc.get_threshold())
+        seen.setdefault("frozen", gc.get_freeze_count() > 0)
         return real_run(self, *args, **kwargs)
 
     monkeypatch.setattr(model, "load_pipeline", load)
@@ -62,8 +76,8 @@ def test_the_cli_defers_gc_until_the_model_is_loaded(tmp_path, monkeypatch, thre
                                       f"hydra.run.dir={tmp_path / 'run'}"])
     run.cli()
     assert (tmp_path / "run" / "results.json").is_file()
-    assert seen == {"load": startup.START_THRESHOLDS, "draw": thresholds}
-    assert gc.get_threshold() == thresholds and not startup.gc_deferred()
+    assert seen == {"load": startup.START_THRESHOLDS, "draw": thresholds, "frozen": True}
+    assert gc.get_threshold() == thresholds and not startup.gc_deferred() and gc.get_freeze_count() == 0
 
 
 def test_the_cli_restores_gc_when_it_refuses(monkeypatch, capsys, thresholds):
