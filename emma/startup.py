@@ -2,8 +2,8 @@
 
 Importing torch, diffusers and transformers (what a cell needs before its first image) creates
 about a million Python objects. With CPython's default thresholds (a young collection every
-700 net allocations, older ones every 10 of those) the collector runs thousands of times
-while they import, each older collection traversing everything imported so far; on this
+700 net allocations, older ones every 10 of those) the collector runs over a thousand times
+while they import, its full collections traversing everything imported so far; on this
 project's 2-core machine that was about 15% of the import time, and it frees nearly nothing
 (what an import creates lives as long as the process).
 
