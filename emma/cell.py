@@ -12,7 +12,7 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from emma import finished
+from emma import finished, startup
 from emma.results import CellResult, summary_text
 from emma.stages.attack import attack
 from emma.stages.context import CellContext
@@ -51,8 +51,11 @@ def run_stages(ctx: CellContext, output_dir: str | Path) -> CellResult:
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     if ctx.finished is not None:  # a finished cell with these inputs: its stored result, no pipeline
         return CellResult.load(finished.serve(ctx.finished, ctx.output_dir))
-    for stage in STAGES:
-        stage(ctx)
+    try:
+        for stage in STAGES:
+            stage(ctx)
+    finally:
+        startup.end()  # what the model stage froze for the command line's start-up is collectable again
     return ctx.result
 
 

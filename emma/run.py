@@ -408,7 +408,16 @@ def show_sweep(argv: list[str]) -> int:
 
 
 def cli() -> None:
-    argv = sys.argv[1:]
+    from emma import startup
+
+    startup.defer_gc()  # until the cell's model is loaded (the model stage)
+    try:
+        _cli(sys.argv[1:])
+    finally:
+        startup.end()
+
+
+def _cli(argv: list[str]) -> None:
     if "--list" in argv:
         sys.exit(list_components(argv))
     if any(a in ("--cfg", "-c") for a in argv) and any(a in ("-m", "--multirun") for a in argv):

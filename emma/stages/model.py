@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from emma import startup
 from emma.api.guidance import InferenceGuidance
 from emma.attack import CellAttackTarget, LazyBaseModel, domain_prompt_texts
 from emma.cache import ImageCache
@@ -61,6 +62,7 @@ def load_model(ctx: CellContext) -> None:
     ctx.pipe = load_pipeline(model)
     ctx.base_fingerprint = fingerprint(ctx.pipe)
     ctx.timing["load_s"] = time.perf_counter() - t
+    startup.restore_gc()  # the libraries are imported: the command line's start-up is over
     ctx.make_generator = generator_factory(model, ImageCache(ctx.cache_root))
     # the base model serves the attack only: it draws at the protocol's sampler
     sampler = ctx.protocol.sampler if ctx.protocol is not None else None
