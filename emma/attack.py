@@ -177,9 +177,11 @@ class CellAttackTarget(GenerationTarget):
 
     def __init__(self, generator: CachedGenerator, judge: Judge, *, base: LazyBaseModel | None = None,
                  white_box_allowed: bool = True, model_name: str = "",
-                 domain_prompts: Callable[[], Sequence[str]] | None = None, protocol: Any = None) -> None:
+                 domain_prompts: Callable[[], Sequence[str]] | None = None, protocol: Any = None,
+                 domain_requests: Callable[[], Sequence[PromptRequest]] | None = None) -> None:
         super().__init__(generator, judge)
         self._domain_prompts = domain_prompts
+        self._domain_requests = domain_requests
         self._domain_prompt_list: list[str] | None = None
         self.sampler = SamplerSettings(generator.num_inference_steps, generator.guidance_scale,
                                        generator.height, generator.width, generator.negative_prompt)
@@ -267,6 +269,13 @@ class CellAttackTarget(GenerationTarget):
             self._domain_prompt_list = list(self._domain_prompts())
         return self._domain_prompt_list
 
+    def domain_requests(self) -> list[PromptRequest]:
+        """Every concept's EA requests of the cell's domain (prompt and the concept it names),
+        in the domain's order: other concepts' prompts for a probe that needs them."""
+        if getattr(self, "_domain_requests", None) is None:
+            raise AttackTargetError("this attack target does not know its domain's concepts and their prompts")
+        return list(self._domain_requests())
+
     def check_prompts(self, prompts: Sequence[str], concepts: Sequence[str],
                       seeds: Sequence[int]) -> tuple[list[bool], list[float]]:
         """Draw one image per prompt on the erased model and judge it: (detected, concept score)."""
@@ -324,6 +333,12 @@ def domain_prompt_texts(domain: Any, seed: int = 0) -> list[str]:
         for r in domain.requests(concept, seed=seed):
             texts[r.prompt] = None
     return list(texts)
+
+
+def domain_concept_requests(domain: Any, seed: int = 0) -> list[PromptRequest]:
+    """Every concept's own (EA) requests of ``domain``'s suites, concept by concept."""
+    return [r for concept in domain.concepts for r in domain.requests(concept, seed=seed)
+            if r.group == "ea" and r.concept == concept]
 
 
 def judged_outputs(target: AttackTarget, requests: Sequence[PromptRequest], prompts: Sequence[str],

@@ -58,6 +58,7 @@ class CellContext:
     base_model: Any = None  # emma.attack.LazyBaseModel
     make_generator: Callable[..., Any] | None = None
     domain_prompts: Callable[[], list[str]] | None = None
+    domain_requests: Callable[[], list[PromptRequest]] | None = None
     # bias (base images, drawn before erasure edits the pipeline in place)
     bias_sets: list[Any] = dataclasses.field(default_factory=list)
     base_bias: dict[str, Any] = dataclasses.field(default_factory=dict)

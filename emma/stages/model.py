@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from emma import startup
 from emma.api.guidance import InferenceGuidance
-from emma.attack import CellAttackTarget, LazyBaseModel, domain_prompt_texts
+from emma.attack import CellAttackTarget, LazyBaseModel, domain_concept_requests, domain_prompt_texts
 from emma.cache import ImageCache
 from emma.generate import CachedGenerator
 from emma.pipelines import fingerprint, load_pipeline
@@ -53,7 +53,8 @@ def attack_target(ctx: CellContext, generator: CachedGenerator) -> CellAttackTar
             guidance_scale=float(sampler.get("guidance_scale", generator.guidance_scale)),
             num_inference_steps=int(sampler.get("num_inference_steps", generator.num_inference_steps)))
     return CellAttackTarget(generator, attack_judge(ctx), base=ctx.base_model, model_name=ctx.cfg.model.name,
-                            domain_prompts=ctx.domain_prompts, protocol=ctx.protocol)
+                            domain_prompts=ctx.domain_prompts, protocol=ctx.protocol,
+                            domain_requests=ctx.domain_requests)
 
 
 def load_model(ctx: CellContext) -> None:
@@ -70,6 +71,7 @@ def load_model(ctx: CellContext) -> None:
                                    generator_factory(model, ImageCache(ctx.cache_root), sampler), model.name)
     domain, seed = ctx.domain, ctx.seed
     ctx.domain_prompts = functools.lru_cache(maxsize=1)(lambda: domain_prompt_texts(domain, seed))
+    ctx.domain_requests = functools.lru_cache(maxsize=1)(lambda: domain_concept_requests(domain, seed))
     if ctx.attack_requests:
         ctx.attacker.check(attack_target(ctx, ctx.make_generator(ctx.pipe, ctx.base_fingerprint)),
                            ctx.attack_requests)
