@@ -80,29 +80,30 @@ class LatentClassifier(nn.Module):
 
 def train_classifier(latents: torch.Tensor, labels: torch.Tensor, alphas_cumprod: torch.Tensor, *, epochs: int,
                      batch_size: int, lr: float, weight_decay: float, copies: int, power: float,
-                     hidden: Sequence[int], seed: int) -> tuple[LatentClassifier, dict[str, Any]]:
+                     hidden: Sequence[int], seed: int, device: Any = "cpu") -> tuple[LatentClassifier, dict[str, Any]]:
     """Train the latent classifier as the reference does: each batch noised ``copies`` times at
     timesteps drawn with density rising toward the noisy end (``t = u^(1/power) (T - 1)``), BCE
     with the positives weighed by negatives / positives, AdamW, gradients clipped at 1."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout
-    clf = LatentClassifier(latents.shape[1:], alphas_cumprod, hidden)
+    clf = LatentClassifier(latents.shape[1:], alphas_cumprod, hidden).to(device)
+    latents, labels = latents.to(device), labels.to(device)
     T = alphas_cumprod.shape[0]
     pos = float(labels.sum())
     neg = float(len(labels) - pos)
-    crit = nn.BCEWithLogitsLoss(pos_weight=torch.tensor(neg / max(pos, 1.0)))
+    crit = nn.BCEWithLogitsLoss(pos_weight=torch.tensor(neg / max(pos, 1.0), device=device))
     opt = torch.optim.AdamW(clf.parameters(), lr=lr, weight_decay=weight_decay)
-    a = alphas_cumprod.float()
+    a = alphas_cumprod.float().to(device)
     steps, last = 0, float("nan")
     clf.train()
     for _ in range(epochs):
         order = torch.randperm(len(latents), generator=gen)
         for s in range(0, len(order), batch_size):
-            idx = order[s : s + batch_size]
+            idx = order[s : s + batch_size].to(device)
             x = latents[idx].repeat(copies, 1, 1, 1)
             y = labels[idx].repeat(copies)
-            t = ((torch.rand(len(x), generator=gen) ** (1.0 / power)) * (T - 1)).long().clamp(0, T - 1)
-            noise = torch.randn(x.shape, generator=gen)
+            t = ((torch.rand(len(x), generator=gen) ** (1.0 / power)) * (T - 1)).long().clamp(0, T - 1).to(device)
+            noise = torch.randn(x.shape, generator=gen).to(device)
             at = a[t].view(-1, 1, 1, 1)
             noisy = at.sqrt() * x + (1 - at).sqrt() * noise
             loss = crit(clf(noisy, t).squeeze(-1), y)
@@ -113,22 +114,22 @@ def train_classifier(latents: torch.Tensor, labels: torch.Tensor, alphas_cumprod
             steps, last = steps + 1, float(loss)
     clf.eval()
     with torch.no_grad():  # accuracy on the training latents noised at a mid timestep (a sanity record)
-        t = torch.full((len(latents),), T // 2, dtype=torch.long)
+        t = torch.full((len(latents),), T // 2, dtype=torch.long, device=device)
         noisy = a[t].view(-1, 1, 1, 1).sqrt() * latents + (1 - a[t].view(-1, 1, 1, 1)).sqrt() * torch.randn(
-            latents.shape, generator=gen)
+            latents.shape, generator=gen).to(device)
         acc = float(((clf(noisy, t).squeeze(-1) > 0).float() == labels).float().mean())
     return clf, {"steps": steps, "final_loss": last, "accuracy_at_T/2": acc, "positives": int(pos),
                  "negatives": int(neg)}
 
 
 def load_classifier(path: str, latent_shape: Sequence[int], alphas_cumprod: torch.Tensor,
-                    hidden: Sequence[int]) -> LatentClassifier:
+                    hidden: Sequence[int], device: Any = "cpu") -> LatentClassifier:
     clf = LatentClassifier(latent_shape, alphas_cumprod, hidden)
     state = torch.load(str(Path(path).expanduser()), map_location="cpu", weights_only=False)
     if isinstance(state, dict) and "model_state_dict" in state:
         state = state["model_state_dict"]
     clf.load_state_dict(state)
-    return clf.eval()
+    return clf.to(device).eval()
 
 
 # ---- sampling --------------------------------------------------------------------------------
@@ -150,6 +151,7 @@ class DDIMLoop:
         self.factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.scaling = float(vae.config.scaling_factor)
         self.channels = int(wb.unet.config.in_channels)
+        self.device = wb.device
 
     def alphas(self, i: int) -> tuple[float, float]:
         a = float(self.ac[self.timesteps[i]])
@@ -160,14 +162,15 @@ class DDIMLoop:
         return self.channels, height // self.factor, width // self.factor
 
     def initial(self, gens: Sequence[torch.Generator], shape: Sequence[int]) -> torch.Tensor:
-        return torch.stack([torch.randn(tuple(shape), generator=g) for g in gens])
+        """Noise from each row's CPU generator (the same numbers on any device), on the device."""
+        return torch.stack([torch.randn(tuple(shape), generator=g) for g in gens]).to(self.device)
 
     @torch.no_grad()
     def eps(self, wb: Any, x: torch.Tensor, i: int, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
         t = self.timesteps[i]
         n = x.shape[0]
         tt = torch.full((2 * n,), t, dtype=torch.long)
-        out = wb.denoise(torch.cat([x, x]).to(wb.device), tt, torch.cat([uncond, cond]).to(wb.device)).float().cpu()
+        out = wb.denoise(torch.cat([x, x]), tt, torch.cat([uncond, cond]).to(x.device)).float()
         out_u, out_c = out.chunk(2)
         out = out_u + self.guidance_scale * (out_c - out_u)
         if self.prediction_type == "v_prediction":
@@ -184,8 +187,9 @@ class DDIMLoop:
         to generate, noise) — outside the mask the latents are held to the clean latents noised
         to the next timestep (the clean ones after the last step)."""
         n = x.shape[0]
-        eta = torch.zeros(n) if eta is None else eta
-        vscale = torch.ones(n) if vscale is None else vscale
+        eta = (torch.zeros(n) if eta is None else eta).to(x.device)
+        vscale = (torch.ones(n) if vscale is None else vscale).to(x.device)
+        cls_scale = cls_scale.to(x.device) if cls_scale is not None else None
         stop = len(self.timesteps) if stop is None else stop
         view = (-1, 1, 1, 1)
         for i in range(start, stop):
@@ -199,10 +203,10 @@ class DDIMLoop:
             coef = (1 - a_prev - sigma**2).abs().sqrt()
             x = math.sqrt(a_prev) * x0 + coef.view(view) * eps
             if bool((eta > 0).any()):
-                z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens])
+                z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
                 x = x + (sigma * vscale).view(view) * z
             if known is not None:
-                clean, mask, noise = known
+                clean, mask, noise = (k.to(x.device) for k in known)
                 if i + 1 < len(self.timesteps):
                     an = float(self.ac[self.timesteps[i + 1]])
                     proper = math.sqrt(an) * clean + math.sqrt(1 - an) * noise
@@ -213,7 +217,7 @@ class DDIMLoop:
 
     @torch.no_grad()
     def decode(self, wb: Any, x: torch.Tensor) -> torch.Tensor:
-        img = wb.vae.decode((x / self.scaling).to(wb.device, wb.vae.dtype)).sample.float().cpu()
+        img = wb.vae.decode((x / self.scaling).to(wb.vae.dtype)).sample.float().cpu()
         return (img / 2 + 0.5).clamp(0, 1)
 
 
@@ -264,7 +268,7 @@ class ProbeRun:
 
     def encode(self, wb: Any, prompts: Sequence[str]) -> torch.Tensor:
         with torch.no_grad():
-            return wb.encode_ids(wb.token_ids(list(prompts))).float().cpu()
+            return wb.encode_ids(wb.token_ids(list(prompts))).float()
 
     def uncond(self, wb: Any) -> torch.Tensor:
         return self.encode(wb, [self.negative or ""])
@@ -376,7 +380,7 @@ class ProbeRun:
         shape = self.loop.latent_shape(self.height, self.width)
         alphas = wb.train_scheduler.alphas_cumprod.float()
         if att.classifier_path is not None:
-            self._classifier = load_classifier(att.classifier_path, shape, alphas, att.classifier_hidden)
+            self._classifier = load_classifier(att.classifier_path, shape, alphas, att.classifier_hidden, wb.device)
             return self._classifier
         pos, _ = self.train_pool(att.classifier_images["positive"])
         concepts = {r.concept for r in self.requests}
@@ -400,7 +404,7 @@ class ProbeRun:
             x, y, alphas, epochs=att.classifier_epochs, batch_size=att.classifier_batch_size,
             lr=att.classifier_learning_rate, weight_decay=att.classifier_weight_decay,
             copies=att.classifier_noised_copies, power=att.classifier_timestep_power, hidden=att.classifier_hidden,
-            seed=att.seed)
+            seed=att.seed, device=wb.device)
         self.iterations += info["steps"]
         self.classifier_info = info
         self.notes.append(f"wce: latent classifier trained on {info['positives']} + {info['negatives']} base-model "
