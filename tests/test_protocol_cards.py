@@ -13,7 +13,7 @@ import yaml
 from tests.conftest import ROOT
 
 CARDS = ROOT / "docs" / "protocols" / "attackers"
-ATTACKERS = ("unlearndiffatk", "p4d_n", "p4d_k", "ring_a_bell")
+ATTACKERS = ("unlearndiffatk", "p4d_n", "p4d_k", "ring_a_bell", "wce")
 COLUMNS = ["setting", "reference", "source", "ours (SD scale)", "why"]
 
 
