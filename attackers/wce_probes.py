@@ -111,7 +111,7 @@ def train_classifier(latents: torch.Tensor, labels: torch.Tensor, alphas_cumprod
             loss.backward()
             torch.nn.utils.clip_grad_norm_(clf.parameters(), 1.0)
             opt.step()
-            steps, last = steps + 1, float(loss)
+            steps, last = steps + 1, float(loss.detach())
     clf.eval()
     with torch.no_grad():  # accuracy on the training latents noised at a mid timestep (a sanity record)
         t = torch.full((len(latents),), T // 2, dtype=torch.long, device=device)
@@ -147,6 +147,10 @@ class DDIMLoop:
         self.final = float(sched.final_alpha_cumprod)
         self.guidance_scale = float(guidance_scale)
         self.prediction_type = wb.prediction_type
+        # x0 clipping only where the pipeline's own scheduler asks for it (SD's configs say false;
+        # DDIM's class default, true, would clip latents that are not in [-1, 1])
+        config = wb.pipe.scheduler.config
+        self.clip = float(config.get("clip_sample_range", 1.0)) if config.get("clip_sample", False) else None
         vae = wb.vae
         self.factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.scaling = float(vae.config.scaling_factor)
@@ -199,6 +203,8 @@ class DDIMLoop:
                 grad = classifier.log_prob_grad(x, self.timesteps[i])
                 eps = eps - math.sqrt(1 - a) * cls_scale.view(view) * grad
             x0 = (x - math.sqrt(1 - a) * eps) / math.sqrt(a)
+            if self.clip is not None:
+                x0 = x0.clamp(-self.clip, self.clip)
             sigma = eta * math.sqrt((1 - a_prev) / (1 - a)) * math.sqrt(max(0.0, 1 - a / a_prev))
             coef = (1 - a_prev - sigma**2).abs().sqrt()
             x = math.sqrt(a_prev) * x0 + coef.view(view) * eps
