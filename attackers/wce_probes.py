@@ -426,11 +426,12 @@ class ProbeRun:
             R = len(self.requests)
             per = -(-need // R)
             prompts, seeds = [], []
+            own = [self.seeds(r, _TRAIN, per) for r in self.requests]
             for k in range(per):
-                for r in self.requests:
+                for r, ss in zip(self.requests, own):
                     if len(prompts) < need:
                         prompts.append(r.prompt)
-                        seeds.append(self.seeds(r, _TRAIN, per)[k])
+                        seeds.append(ss[k])
             base = self.target.base_model()
             imgs = torch.cat([base.generate(prompts[c : c + 64], seeds[c : c + 64]).images
                               for c in range(0, len(prompts), 64)])
