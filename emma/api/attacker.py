@@ -134,6 +134,12 @@ class AttackTarget(ImageSource, Protocol):
         domain speaks, e.g. a candidate vocabulary for token searches. Raises
         :class:`AttackTargetError` when the target does not know its domain."""
 
+    def domain_requests(self) -> Sequence[PromptRequest]:
+        """Every concept's own (EA) requests of the cell's domain, each with the concept it
+        names: other concepts' prompts for probes that need them (WhenConceptsErased's
+        interference and latent classifier). Raises :class:`AttackTargetError` when the target
+        does not know its domain."""
+
 
 class BaseModel(ImageSource, Protocol):
     """The base (not erased) model: generation plus white-box access."""
