@@ -609,7 +609,7 @@ class ProbeRun:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            last = float(loss)
+            last = float(loss.detach())
         return vec.detach(), {"steps": att.ti_steps, "final_loss": last}
 
     # -- interference ------------------------------------------------------------------------------
