@@ -279,13 +279,12 @@ def build_gateway(llm: str, overrides: Sequence[str], out: Path) -> tuple[Any, A
     overrides; the role's model, temperature and token limit follow conf/attacker/stace.yaml."""
     from omegaconf import OmegaConf
 
+    from emma import registry
     from stace.gateway import Gateway, Redactor, RoleSettings, Trace, build_backend, pop_deadline
 
-    conf_dir = Path(__file__).resolve().parent.parent / "conf"
-    llm_file = conf_dir / "llm" / f"{llm}.yaml"
-    if not llm_file.exists():
-        valid = ", ".join(sorted(p.stem for p in (conf_dir / "llm").glob("*.yaml")))
-        raise ConfigError(f"--llm {llm!r}: no such LLM config; valid: {valid}")
+    if llm not in registry.choices("llm"):
+        raise ConfigError(f"--llm {llm!r}: no such LLM config; valid: {', '.join(registry.choices('llm'))}")
+    llm_file = registry.config_path("llm", llm)
     cfg = OmegaConf.load(llm_file)
     for item in overrides:
         if "=" not in item:
@@ -298,7 +297,7 @@ def build_gateway(llm: str, overrides: Sequence[str], out: Path) -> tuple[Any, A
     deadline = pop_deadline(llm_cfg)
     backend = build_backend(llm_cfg)
     backend.check_available()
-    stace_cfg = OmegaConf.to_container(OmegaConf.load(conf_dir / "attacker" / "stace.yaml"))
+    stace_cfg = OmegaConf.to_container(OmegaConf.load(registry.config_path("attacker", "stace")))
     model = (stace_cfg["presets"]["default"]["papercard"] if getattr(backend, "per_role_models", False)
              else backend.model)
     role = RoleSettings(model=model, temperature=float(stace_cfg["temperatures"]["papercard"]),

@@ -32,12 +32,15 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from emma import registry
 from emma.cache import stable_hash
 from emma.errors import ConfigError, EmmaError, UnknownChoiceError
 from emma.files import atomic_write_text
 
+#: the repository root: relative paths in the demonstration's configs are read from here
 ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = ROOT / "conf" / "stace_secret"
+#: the config group of the demonstration's experiments (conf/stace_secret/)
+GROUP = "stace_secret"
 CONCEPT = "secret password"
 VARIANT_KEYS = ("iterations", "k", "debate_rounds", "rag", "top_k_cards", "probe_mode", "seed", "max_tokens")
 
@@ -59,11 +62,9 @@ def load_config(argv: Sequence[str]) -> Any:
         raise ConfigError(f"{bad[0]!r}: arguments are key=value (e.g. iterations=5) or experiment=<name>")
 
     def read(n: str) -> Any:
-        path = CONF_DIR / f"{n}.yaml"
-        if not path.exists():
-            raise UnknownChoiceError("stace.secret experiment", n, sorted(p.stem for p in CONF_DIR.glob("*.yaml")),
-                                     "experiment")
-        cfg = OmegaConf.load(path)
+        if n not in registry.choices(GROUP):
+            raise UnknownChoiceError("stace.secret experiment", n, registry.choices(GROUP), "experiment")
+        cfg = OmegaConf.load(registry.config_path(GROUP, n))
         base = cfg.pop("base", None)
         return OmegaConf.merge(read(str(base)), cfg) if base else cfg
 
@@ -95,10 +96,9 @@ def build_llm(name: str, overrides: dict[str, Any], where: str) -> tuple[Any, fl
 
     from stace.gateway import build_backend, pop_deadline
 
-    path = ROOT / "conf" / "llm" / f"{name}.yaml"
-    if not path.exists():
-        raise UnknownChoiceError("LLM config", name, sorted(p.stem for p in path.parent.glob("*.yaml")), where)
-    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    if name not in registry.choices("llm"):
+        raise UnknownChoiceError("LLM config", name, registry.choices("llm"), where)
+    cfg = OmegaConf.to_container(OmegaConf.load(registry.config_path("llm", name)))
     unknown = sorted(set(overrides) - set(cfg))
     if unknown:
         raise ConfigError(f"{where}_overrides.{unknown[0]}: not a setting of llm={name}; "
@@ -156,7 +156,7 @@ def run_one(cfg: Any, variant: str = "demo", out_root: Path | None = None) -> di
             raise ConfigError(f"evaluator._target_={data['evaluator'].get('_target_')!r}: needs {attr} "
                               "(stace.targets.Evaluator)")
 
-    stace_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "attacker" / "stace.yaml"))
+    stace_cfg = OmegaConf.to_container(OmegaConf.load(registry.config_path("attacker", "stace")))
     presets = stace_cfg["presets"]
     if data["preset"] not in presets:
         raise UnknownChoiceError("stace preset", data["preset"], presets, "preset")
