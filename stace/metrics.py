@@ -5,9 +5,9 @@
 - ``SIR_I`` (Eq. 5): share of the N·k images showing the concept. An instantiation that was
   never rendered (a failed execution, a program that requested fewer than k images) counts
   as not showing it, so the denominator is always N·k. The k images of one hypothesis are
-  correlated, so the interval resamples whole hypotheses (a cluster bootstrap; Wilson over
-  the hypotheses where every replicate is equal), as the harness does for images of one
-  prompt (:func:`emma.metrics.intervals.clustered_rate`).
+  correlated, so the interval treats hypotheses as clusters (the beta-binomial
+  profile-likelihood interval; Wilson where every image is its own cluster), as the harness
+  does for images of one prompt (:func:`emma.metrics.intervals.clustered_rate`).
 - ``EII`` (Eq. 6): the first (1-based) iteration whose hypothesis succeeded; ``N + 1`` when
   none did (the paper's convention: Table B3 enters 11 for N = 10, and averages it).
 - ``SER`` (§3.4.3): share of iterations whose hypothesis was executed successfully; Wilson.
@@ -76,7 +76,8 @@ def sir_i(detected_per_iteration: Sequence[int], k: int, seed: int = 0) -> Metri
 
 def image_rate(outcomes: Sequence[bool], clusters: Sequence[object], seed: int = 0) -> MetricValue:
     """A rate over images grouped in clusters (the images of one prompt or hypothesis): Wilson
-    when every image is its own cluster (independent trials), else the cluster bootstrap."""
+    when every image is its own cluster (independent trials), else the beta-binomial
+    profile-likelihood interval over clusters."""
     if len(set(clusters)) == len(clusters) == len(outcomes):
         return _rate(outcomes)
     m = clustered_rate([bool(o) for o in outcomes], list(clusters), seed=seed)
