@@ -81,14 +81,14 @@ def seen_words(entry: str) -> list[str]:
     return [w for w in re.findall(r"[a-z]+", entry.lower()) if w not in FUNCTION_WORDS and w in seen]
 
 
-def random_words(n: int, seed: int) -> list[str]:
+def random_words(n: int, seed: int, tokenizer: Any = None) -> list[str]:
     """``n`` whole-word tokens of the CLIP vocabulary (letters only, 3 or more), drawn with
     ``seed``: the probe's random prompts, whose drawings give the base rate."""
     import numpy as np
 
     from emma.tinyworld.tokenizer import local_clip_tokenizer
 
-    vocab = sorted(t[:-4] for t in local_clip_tokenizer().get_vocab()
+    vocab = sorted(t[:-4] for t in (tokenizer or local_clip_tokenizer()).get_vocab()
                    if t.endswith("</w>") and t[:-4].isalpha() and len(t) > 6)
     rng = np.random.default_rng(seed)
     return [vocab[i] for i in rng.choice(len(vocab), size=n, replace=False)]
@@ -102,7 +102,7 @@ def filler_pool(tokenizer: Any) -> list[int]:
     """Token ids training may insert into captions as words that mean nothing here: every
     token but the special ones, those of any caption word, and those of the probe's words,
     controls and base-rate words, which therefore stay unseen."""
-    held = set(caption_words()) | set(CONTROLS) | set(random_words(*BASE_RATE_WORDS))
+    held = set(caption_words()) | set(CONTROLS) | set(random_words(*BASE_RATE_WORDS, tokenizer))
     held |= {w for entry in PROBE for w in re.findall(r"[a-z]+", entry)}
     held_ids = {i for w in held for i in tokenizer(w).input_ids}
     return [i for i in range(tokenizer.vocab_size) if i not in held_ids and i not in tokenizer.all_special_ids]
