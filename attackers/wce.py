@@ -288,11 +288,12 @@ class WCEAttacker(Attacker):
 
 
 def _domain_requests(target: AttackTarget) -> list[PromptRequest]:
-    get = getattr(target, "domain_requests", None)
-    if get is None:
-        raise AttackTargetError("wce probes interference, classifier_guidance and noise_classifier need the other "
-                                "concepts' prompts, which this attack target cannot give; choose other probes")
-    return list(get())
+    try:
+        return list(target.domain_requests())
+    except AttackTargetError as exc:
+        raise AttackTargetError(f"wce probes interference, classifier_guidance and noise_classifier need the other "
+                                f"concepts' prompts, which this attack target cannot give ({exc}); choose other "
+                                "probes") from exc
 
 
 def write_lines(path: Path, rows: Sequence[dict[str, Any]]) -> None:

@@ -272,7 +272,7 @@ class CellAttackTarget(GenerationTarget):
     def domain_requests(self) -> list[PromptRequest]:
         """Every concept's EA requests of the cell's domain (prompt and the concept it names),
         in the domain's order: other concepts' prompts for a probe that needs them."""
-        if getattr(self, "_domain_requests", None) is None:
+        if self._domain_requests is None:
             raise AttackTargetError("this attack target does not know its domain's concepts and their prompts")
         return list(self._domain_requests())
 

@@ -230,3 +230,13 @@ def test_sd_scale_composition_is_the_references_and_the_tiny_preset_applies():
     only = instantiate(registry.compose(["attacker=wce", "attacker.probes=[textual_inversion]"]).attacker)
     assert only.probes == ["textual_inversion"]
     assert not WCEAttacker(probes=["standard", "noise_based", "interference"]).needs_base_model
+
+
+def test_a_target_that_does_not_know_its_domain_refuses_the_probes_that_need_it(target, monkeypatch):
+    from attackers.wce import _domain_requests
+    from emma.api.attacker import AttackTargetError
+
+    assert [r.concept for r in _domain_requests(target)] == [r.concept for r in REQ + OTHERS]
+    monkeypatch.setattr(target, "_domain_requests", None)
+    with pytest.raises(AttackTargetError, match="need the other concepts' prompts.*does not know its domain"):
+        _domain_requests(target)
