@@ -35,7 +35,7 @@ classes at miniature size, so that erasure, attacks and metrics show real effect
     import torch
     from diffusers import StableDiffusionPipeline
     pipe = StableDiffusionPipeline.from_pretrained("emma/tinyworld/assets/pipeline", local_files_only=True,
-                                                   torch_dtype=torch.float32)
+                                                   dtype=torch.float32)
     image = pipe("an image of a red star", num_inference_steps=20, guidance_scale=5.0,
                  height=32, width=32).images[0]
 
