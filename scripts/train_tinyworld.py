@@ -291,7 +291,7 @@ def train_unet(args, work: Path):
             g["lr"] = lr
         rng = np.random.default_rng([args.seed, 44, step])
         idx = rng.integers(n_pool, size=args.unet_batch)
-        caps = [caption(pool["specs"][i], rng) if rng.random() >= args.cond_drop else ""
+        caps = [caption(pool["specs"][i], rng, args.object_words) if rng.random() >= args.cond_drop else ""
                 for i in idx]
         ids = tok(caps, padding="max_length", max_length=tok.model_max_length,
                   truncation=True, return_tensors="pt").input_ids
@@ -457,6 +457,9 @@ def main(argv=None):
     p.add_argument("--filler-tokens", type=float, default=0.0,
                    help="fraction of captions that get one random vocabulary token (never a caption, probe, "
                         "control or base-rate word's): words outside the world's language carry no shape")
+    p.add_argument("--object-words", type=float, default=0.0,
+                   help="fraction of captions that name the shape, and of style phrases that name the "
+                        "background, by a thing of that shape or pattern (world.SHAPE_OBJECTS, STYLE_OBJECTS)")
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--init-from", default=None,

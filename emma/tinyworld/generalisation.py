@@ -68,7 +68,8 @@ def caption_words() -> set[str]:
     texts: list[str] = list(world.SHAPES) + list(world.COLOURS) + list(world.STYLES)
     texts += [t.replace("{x}", "") for t in world.TEMPLATES]
     for table in (world.SHAPE_VARIANTS, world.SHAPE_SHORT, world.SHAPE_LONG, world.STYLE_PHRASES,
-                  world.STYLE_VARIANTS, world.STYLE_SHORT, world.PREFIXES):
+                  world.STYLE_VARIANTS, world.STYLE_SHORT, world.PREFIXES, world.SHAPE_OBJECTS,
+                  world.STYLE_OBJECTS):
         for options in table.values():
             texts += list(options)
     texts.append("background")

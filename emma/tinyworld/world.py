@@ -148,6 +148,49 @@ STYLE_SHORT: dict[str, tuple[str, ...]] = {
     "dotted": ("with small spots all over the backdrop",),
     "checkered": ("with alternating light and dark squares in the backdrop",),
 }
+# Things that have a shape or a pattern (tiny world 2's wider training language): ordinary
+# words a person would draw as the shape, or see in the background texture. Captions use them
+# only with ``caption(..., objects=p)``. They share no word, and no stem, with the
+# generalisation probe (``emma.tinyworld.generalisation``), whose words stay unseen.
+SHAPE_OBJECTS: dict[str, tuple[str, ...]] = {
+    "circle": ("pearl", "marble", "pancake", "bagel", "frisbee", "drum", "lid", "saucer", "medal",
+               "bullseye", "wreath", "halo", "planet", "vinyl", "dial", "lens", "porthole", "manhole",
+               "tambourine", "cymbal", "lollipop", "pupil", "hoop", "pie", "tortilla", "roundabout",
+               "sphere", "loop"),
+    "square": ("cracker", "waffle", "cushion", "pillow", "frame", "screen", "monitor", "postcard",
+               "photo", "quilt", "pixel", "checkbox", "toast", "tofu", "parcel", "package", "gift",
+               "locker", "drawer", "cabinet", "microwave", "television", "keycap", "canvas", "sticky"),
+    "triangle": ("teepee", "spire", "cone", "prism", "gable", "pennant", "fin", "chip", "ramp", "pine",
+                 "funnel", "volcano", "peak", "summit", "samosa", "hanger", "triangular", "obelisk"),
+    "star": ("nova", "supernova", "starlight", "celebrity", "sirius", "polaris", "comet", "stellar",
+             "astral", "superstar", "starry", "glitter", "shine", "twinkling", "christmas", "pentacle",
+             "anise", "carambola", "glimmer", "hollywood", "fame", "astronomy", "wish"),
+    "heart": ("love", "lover", "beloved", "crush", "adore", "honey", "cardiac", "pulse", "cherish",
+              "devotion", "amour", "flirt", "hug", "girlfriend", "boyfriend", "lovely", "fondness",
+              "heartbeat", "tender", "caring", "cuddle", "bride", "marriage"),
+    "cross": ("ambulance", "nurse", "doctor", "pharmacy", "chapel", "cathedral", "christian",
+              "gravestone", "junction", "crosshair", "multiply", "addition", "clinic", "priest",
+              "bishop", "steeple", "cemetery", "altar", "jesus", "crossing"),
+    "crescent": ("banana", "moonlight", "islam", "mosque", "scythe", "fingernail", "hook", "arc",
+                 "smile", "cashew", "muslim", "ottoman", "tusk", "fang", "crook", "curve", "moonrise",
+                 "eyebrow", "rind", "nightfall", "turkish"),
+    "diamond": ("rhinestone", "topaz", "amethyst", "carat", "argyle", "bling", "treasure", "quartz",
+                "opal", "garnet", "tiara", "necklace", "brooch", "luxury", "precious", "wealth", "facet",
+                "zircon", "onyx", "pendant", "diamante", "diamonds"),
+}
+STYLE_OBJECTS: dict[str, tuple[str, ...]] = {
+    "plain": ("empty", "void", "monochrome", "vacant", "unadorned", "bland", "matte", "neutral",
+              "pure", "basic", "undecorated", "spotless", "clean", "austere", "sparse", "ordinary",
+              "vanilla", "pristine", "untextured"),
+    "striped": ("lines", "corduroy", "striation", "awning", "ribbed", "streaks", "blinds", "referee",
+                "bumblebee", "wasp", "pajamas", "barber", "fence", "grille", "railing", "piano", "skunk",
+                "okapi", "tabby"),
+    "dotted": ("spots", "pimples", "measles", "chickenpox", "sprinkles", "cheetah", "domino",
+               "pointillism", "speckles", "pebbles", "raindrops", "stippled", "acne", "moles",
+               "strawberry", "fawn", "jaguar", "sequins", "braille"),
+    "checkered": ("checkers", "draughts", "grid", "mosaic", "picnic", "harlequin", "houndstooth",
+                  "lattice", "taxi", "gridiron", "madras", "diner"),
+}
 # Filler words, used in training captions and as EMMA-style prefixes (noun, adjective,
 # emotion, verb-ing, preposition).
 PREFIXES: dict[str, tuple[str, ...]] = {
@@ -294,14 +337,23 @@ def render_batch(specs: Sequence[SceneSpec], size: int = IMAGE_SIZE) -> np.ndarr
     return arr.transpose(0, 3, 1, 2)
 
 
-def caption(spec: SceneSpec, rng: np.random.Generator) -> str:
+def caption(spec: SceneSpec, rng: np.random.Generator, objects: float = 0.0) -> str:
     """A random training caption for ``spec``.
 
     The shape is referred to by name (50%), synonym (20%), short (15%) or long (15%)
-    description; colour, style and a filler prefix word are each present at random.
+    description; colour, style and a filler prefix word are each present at random. With
+    ``objects`` > 0, that fraction of captions names the shape by a thing of its shape
+    (``SHAPE_OBJECTS``: "a red bagel"), that fraction of style phrases names the background by a
+    thing with its pattern (``STYLE_OBJECTS``: "on a cheetah background"), and a quarter of that
+    fraction is a pattern thing alone ("a picture of a corduroy"); ``objects=0`` draws exactly
+    the captions of tiny world 1.
     """
+    if objects and rng.random() < objects * 0.25:
+        return with_template(_pick(rng, TEMPLATES), _pick(rng, STYLE_OBJECTS[spec.style]))
     u = rng.random()
-    if u < 0.5:
+    if objects and rng.random() < objects:
+        noun = _pick(rng, SHAPE_OBJECTS[spec.shape])
+    elif u < 0.5:
         noun = spec.shape
     elif u < 0.7:
         noun = _pick(rng, SHAPE_VARIANTS[spec.shape])
@@ -309,7 +361,8 @@ def caption(spec: SceneSpec, rng: np.random.Generator) -> str:
         noun = _pick(rng, SHAPE_SHORT[spec.shape])
     else:
         noun = _pick(rng, SHAPE_LONG[spec.shape])
-    descriptive = not (noun == spec.shape or noun in SHAPE_VARIANTS[spec.shape])
+    descriptive = not (noun == spec.shape or noun in SHAPE_VARIANTS[spec.shape]
+                       or noun in SHAPE_OBJECTS[spec.shape])
     words = []
     if rng.random() < 0.25:
         cat = _pick(rng, tuple(PREFIXES))
@@ -324,7 +377,11 @@ def caption(spec: SceneSpec, rng: np.random.Generator) -> str:
     else:
         phrase = " ".join(words + [noun])
     s = rng.random()
-    if s < 0.35:
+    if objects and s < 0.6 and rng.random() < objects:
+        thing = _pick(rng, STYLE_OBJECTS[spec.style])
+        article = "an" if thing[0] in "aeiou" else "a"
+        phrase = f"{phrase} {_pick(rng, (f'on {article} {thing} background', f'in {thing} style', f'with {thing}'))}"
+    elif s < 0.35:
         phrase = f"{phrase} {_pick(rng, STYLE_PHRASES[spec.style])}"
     elif s < 0.5:
         phrase = f"{phrase}, {_pick(rng, STYLE_VARIANTS[spec.style])} background"
