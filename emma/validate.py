@@ -63,10 +63,10 @@ DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 # Hyper-parameters of methods, attackers and classifiers, bounded by name wherever they occur.
 POSITIVE_INTS = {"iterations", "batch_size", "train_batch_size", "sample_steps", "max_train_steps",
                  "ddim_steps", "image_size", "top_k", "num_images", "num_class_images", "rank",
-                 "max_faces", "face_size"}
-POSITIVE_FLOATS = {"learning_rate", "lr", "max_grad_norm"}
+                 "max_faces", "face_size", "max_train_steps_ti", "train_batch_size_ti", "num_tokens_ti"}
+POSITIVE_FLOATS = {"learning_rate", "lr", "max_grad_norm", "learning_rate_ti"}
 NONNEGATIVE = {"adam_weight_decay", "lamb", "prior_loss_weight", "sample_guidance", "start_guidance",
-               "erase_scale"}
+               "erase_scale", "weight_decay_ti", "init_sigma_ti"}
 SEEDS = {"seed"}  # a component's first seed (an attacker's probe j uses seed + j)
 UNIT_INTERVAL = {"threshold", "attention_mask_threshold"}
 

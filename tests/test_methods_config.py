@@ -28,7 +28,7 @@ SMALL = {
              "method.sample_steps=1", "method.segmenter=attention"],
     "ca": ["method.num_class_images=2", "method.train_batch_size=2", "method.max_train_steps=1",
            "method.sample_steps=1"],
-    "fmn": ["method.num_images=1", "method.max_train_steps=1", "method.sample_steps=1"],
+    "fmn": ["method.num_images=1", "method.max_train_steps=1", "method.sample_steps=1", "method.max_train_steps_ti=2"],
     "salun": ["method.num_images=2", "method.train_batch_size=2", "method.epochs=1", "method.sample_steps=1"],
     "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1",
             "method.lr_warmup_steps=0"],
@@ -116,6 +116,8 @@ def test_paper_defaults():
     fmn = method_cfg("fmn")
     assert (fmn.learning_rate, fmn.max_train_steps, fmn.only_optimize_ca, fmn.use_pooler) == (
         2e-6, 35, False, True)
+    assert (fmn.use_ti, fmn.num_tokens_ti, fmn.learning_rate_ti, fmn.max_train_steps_ti, fmn.weight_decay_ti,
+            fmn.clip_ti_decay) == (True, 4, 1e-3, 500, 0.1, True)
 
 
 def test_reference_guide_concepts_per_domain():

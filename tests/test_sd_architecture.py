@@ -54,7 +54,7 @@ TWO_STEPS: dict[str, list[str]] = {
              "method.prompt_templates.default=['a photo of {}','an image of {}','{} in a photo']"],
     "ca": ["method.num_class_images=2", "method.train_batch_size=1", "method.max_train_steps=2",
            "method.sample_steps=1"],
-    "fmn": ["method.num_images=1", "method.max_train_steps=2", "method.sample_steps=1"],
+    "fmn": ["method.num_images=1", "method.max_train_steps=2", "method.sample_steps=1", "method.max_train_steps_ti=2"],
     "salun": ["method.num_images=2", "method.train_batch_size=1", "method.epochs=1", "method.sample_steps=1"],
     "spm": ["method.iterations=2", "method.max_denoising_steps=3", "method.sampling_batch_size=1",
             "method.lr_warmup_steps=0"],
