@@ -278,9 +278,16 @@ def train_unet(args, work: Path):
         warm = state.get("warm_start", 0)
         log(f"unet: resumed at step {start}")
     n_pool = len(pool["specs"])
-    fillers = torch.tensor(filler_pool(tok)) if args.filler_tokens else None
+    use_fillers = args.filler_tokens or args.filler_alone
+    fillers = torch.tensor(filler_pool(tok, args.filler_words == "english")) if use_fillers else None
     if fillers is not None:
-        log(f"unet: {args.filler_tokens:.0%} of captions get one of {len(fillers)} filler tokens")
+        log(f"unet: {args.filler_tokens:.0%} of captions get, and {args.filler_alone:.0%} are, one of "
+            f"{len(fillers)} filler tokens ({args.filler_words})")
+    embedding = te.get_input_embeddings()
+    if args.feature_noise:
+        embedding.noise = args.feature_noise
+        embedding.generator = torch.Generator().manual_seed(args.seed + 5 + start)
+        log(f"unet: noise of scale {args.feature_noise} on the token meanings")
     t0 = time.time()
     for step in tqdm(range(start, args.unet_steps), desc="unet", initial=start,
                      total=args.unet_steps, mininterval=30):
@@ -293,10 +300,16 @@ def train_unet(args, work: Path):
         idx = rng.integers(n_pool, size=args.unet_batch)
         caps = [caption(pool["specs"][i], rng, args.object_words) if rng.random() >= args.cond_drop else ""
                 for i in idx]
+        alone = np.zeros(len(caps), bool)
+        if args.filler_alone:  # a lone word that means nothing here: the image is the prior's
+            alone = np.random.default_rng([args.seed, 46, step]).random(len(caps)) < args.filler_alone
+            caps = ["" if a else c for c, a in zip(caps, alone)]
         ids = tok(caps, padding="max_length", max_length=tok.model_max_length,
                   truncation=True, return_tensors="pt").input_ids
         if args.filler_tokens:
             ids = insert_fillers(ids, fillers, args.filler_tokens, np.random.default_rng([args.seed, 45, step]))
+        if alone.any():
+            ids[alone] = insert_fillers(ids[alone], fillers, 1.0, np.random.default_rng([args.seed, 47, step]))
         ids = ids.to(args.device)
         idx_t = torch.from_numpy(idx)
         eps = torch.randn(pool["mean"][idx_t].shape, generator=gen)
@@ -457,6 +470,12 @@ def main(argv=None):
     p.add_argument("--filler-tokens", type=float, default=0.0,
                    help="fraction of captions that get one random vocabulary token (never a caption, probe, "
                         "control or base-rate word's): words outside the world's language carry no shape")
+    p.add_argument("--filler-words", choices=["any", "english"], default="any",
+                   help="filler tokens from the whole vocabulary, or its whole words of 4+ letters")
+    p.add_argument("--filler-alone", type=float, default=0.0,
+                   help="fraction of captions that are one filler token alone (the image is any scene)")
+    p.add_argument("--feature-noise", type=float, default=0.0,
+                   help="scale of Gaussian noise on the token meanings while training (smooths the map)")
     p.add_argument("--object-words", type=float, default=0.0,
                    help="fraction of captions that name the shape, and of style phrases that name the "
                         "background, by a thing of that shape or pattern (world.SHAPE_OBJECTS, STYLE_OBJECTS)")

@@ -128,3 +128,32 @@ def test_object_captions_name_things_only_when_asked():
     rng0, rng1 = np.random.default_rng(5), np.random.default_rng(5)
     assert [world.caption(spec, rng0) for _ in range(50)] == [world.caption(spec, rng1, objects=0.0) for _ in range(50)]
     assert not any(set(world.caption(spec, rng0).split()) & (things | patterns) for _ in range(400))
+
+
+def test_meaning_noise_acts_in_training_only_and_is_seeded():
+    feats = normalise(np.random.default_rng(1).standard_normal((30, 16)))
+    emb = semantic_embedding(feats, hidden=4, special_ids=(28, 29))
+    torch.nn.init.normal_(emb.proj.weight, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[28, 3, 5, 29]])
+    clean = emb(ids)
+    emb.noise, emb.generator = 0.1, torch.Generator().manual_seed(7)
+    noisy = emb(ids)
+    emb.generator = torch.Generator().manual_seed(7)
+    assert torch.equal(emb(ids), noisy), "seeded"
+    shift = (noisy - clean)[0, 1:3].detach()
+    assert 0.05 < float(shift.abs().mean()) < 1.0  # noise of scale 0.1 through a 16 -> 4 map
+    assert torch.equal(noisy[0, 0], clean[0, 0]) and torch.equal(noisy[0, 3], clean[0, 3]), "special tokens exact"
+    emb.eval()
+    assert torch.equal(emb(ids), clean) and torch.allclose(emb.weight()[ids[0]], clean[0])
+
+
+def test_word_fillers_are_whole_words_of_the_filler_pool():
+    from emma.tinyworld.generalisation import filler_pool
+
+    tok = local_clip_tokenizer()
+    every, words = filler_pool(tok), filler_pool(tok, words_only=True)
+    assert set(words) < set(every) and 20_000 < len(words) < 35_000
+    texts = tok.convert_ids_to_tokens(words)
+    assert all(t.endswith("</w>") and t[:-4].isalpha() and len(t) >= 8 for t in texts)
+    assert tok.convert_tokens_to_ids("government</w>") in set(words)
+    assert tok.convert_tokens_to_ids("philosophy</w>") not in set(words)  # a control word

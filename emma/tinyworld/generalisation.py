@@ -99,14 +99,19 @@ def random_words(n: int, seed: int, tokenizer: Any = None) -> list[str]:
 BASE_RATE_WORDS = (100, 5000)
 
 
-def filler_pool(tokenizer: Any) -> list[int]:
+def filler_pool(tokenizer: Any, words_only: bool = False) -> list[int]:
     """Token ids training may insert into captions as words that mean nothing here: every
     token but the special ones, those of any caption word, and those of the probe's words,
-    controls and base-rate words, which therefore stay unseen."""
+    controls and base-rate words, which therefore stay unseen. ``words_only`` keeps the
+    whole-word tokens of four or more letters (English words rather than word pieces)."""
     held = set(caption_words()) | set(CONTROLS) | set(random_words(*BASE_RATE_WORDS, tokenizer))
     held |= {w for entry in PROBE for w in re.findall(r"[a-z]+", entry)}
     held_ids = {i for w in held for i in tokenizer(w).input_ids}
-    return [i for i in range(tokenizer.vocab_size) if i not in held_ids and i not in tokenizer.all_special_ids]
+    keep = set(range(tokenizer.vocab_size)) - held_ids - set(tokenizer.all_special_ids)
+    if words_only:
+        keep &= {i for t, i in tokenizer.get_vocab().items()
+                 if t.endswith("</w>") and t[:-4].isalpha() and len(t) >= 8}
+    return sorted(keep)
 
 
 def kind(concept: str) -> str:

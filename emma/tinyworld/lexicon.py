@@ -107,7 +107,9 @@ def semantic_embedding(features: np.ndarray, hidden: int, special_ids: Sequence[
     """A token embedding ``features[id] @ W + b`` with free vectors for ``special_ids``.
 
     Stands in for ``CLIPTextModel``'s ``token_embedding`` while training: only the map and the
-    special tokens' vectors learn, so every token keeps the place its meaning gives it.
+    special tokens' vectors learn, so every token keeps the place its meaning gives it. Setting
+    ``noise`` (and a ``generator``) adds Gaussian noise of that scale to the meanings in
+    training mode, which keeps the map smooth between the words it was fitted on.
     ``weight()`` materialises the whole table for export.
     """
     import torch
@@ -125,9 +127,15 @@ def semantic_embedding(features: np.ndarray, hidden: int, special_ids: Sequence[
             nn.init.zeros_(self.proj.bias)
             self.register_buffer("special_ids", torch.tensor(list(special_ids)), persistent=False)
             self.special = nn.Parameter(torch.randn(len(special_ids), hidden) * 0.02)
+            self.noise = 0.0
+            self.generator: torch.Generator | None = None
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            out = self.proj(self.features[ids])
+            feats = self.features[ids]
+            if self.training and self.noise:
+                # meanings are known only up to their neighbourhood: the map must be smooth
+                feats = feats + self.noise * torch.randn(feats.shape, generator=self.generator)
+            out = self.proj(feats)
             for k, sid in enumerate(self.special_ids.tolist()):
                 out = torch.where((ids == sid)[..., None], self.special[k], out)
             return out
