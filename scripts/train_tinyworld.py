@@ -228,6 +228,28 @@ def build_lexicon(args, work: Path):
     log(f"lexicon: {feats.shape[0]} tokens x {feats.shape[1]} features")
 
 
+def build_affinity(args, work: Path):
+    """The concept-affinity columns (``emma.tinyworld.lexicon.concept_affinity``): per token, a
+    shape and a style distribution with "none", fitted on the caption words and
+    ``--affinity-negatives`` whole-word fillers."""
+    from emma.tinyworld import lexicon
+    from emma.tinyworld.generalisation import filler_pool
+
+    out = work / "affinity.npy"
+    if out.exists():
+        log("affinity: done, skipping")
+        return
+    tok = local_clip_tokenizer()
+    pool = filler_pool(tok, words_only=True)
+    negatives = np.random.default_rng([args.seed, 48]).choice(pool, args.affinity_negatives, replace=False)
+    feats = np.load(work / "lexicon.npy").astype(np.float32)
+    aff = lexicon.concept_affinity(feats, tok, negatives.tolist(), l2=args.affinity_l2)
+    tmp = work / "affinity.tmp.npy"
+    np.save(tmp, aff)
+    os.replace(tmp, out)
+    log(f"affinity: {aff.shape[1]} columns from {args.affinity_negatives} negatives, l2 {args.affinity_l2}")
+
+
 # --------------------------------------------------------------------------- UNet + text
 def train_unet(args, work: Path):
     from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -270,12 +292,18 @@ def train_unet(args, work: Path):
             raise SystemExit(f"{ckpt} holds a --unet {state.get('unet_arch', 'v2')} run; resume it with that "
                              f"--unet, or start --unet {args.unet} in another --work-dir")
         unet.load_state_dict(state["unet"])
+        widened = widen_lexicon_map(state["te"], te)
+        widen_lexicon_map(state["ema"]["te"], te)
         te.load_state_dict(state["te"])
-        opt.load_state_dict(state["opt"])
         ema = state["ema"]
         gen.set_state(state["gen"])
         start = state["step"]
         warm = state.get("warm_start", 0)
+        if widened:  # the optimizer's moments no longer fit the map: fresh ones, a new warm-up
+            warm = start
+            log("unet: the lexicon gained columns; the map's new weights start at zero, optimizer reset")
+        else:
+            opt.load_state_dict(state["opt"])
         log(f"unet: resumed at step {start}")
     n_pool = len(pool["specs"])
     use_fillers = args.filler_tokens or args.filler_alone
@@ -362,9 +390,26 @@ def text_encoder(work: Path):
     config = CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG)
     te = CLIPTextModel(config)
     feats = np.load(work / "lexicon.npy").astype(np.float32)
+    if (work / "affinity.npy").exists():  # the concept-affinity columns (stage "affinity")
+        feats = np.concatenate([feats, np.load(work / "affinity.npy")], axis=1)
     te.set_input_embeddings(semantic_embedding(
         feats, config.hidden_size, (config.bos_token_id, config.eos_token_id)))
     return te
+
+
+PROJ_KEY = "embeddings.token_embedding.proj.weight"
+
+
+def widen_lexicon_map(state: dict, te) -> bool:
+    """Give a text-encoder ``state`` fitted on fewer lexicon columns than ``te`` reads (the
+    affinity columns were added since) zero weights for the new columns; whether it did."""
+    have, want = state[PROJ_KEY], te.state_dict()[PROJ_KEY]
+    if have.shape == want.shape:
+        return False
+    if have.shape[0] != want.shape[0] or have.shape[1] > want.shape[1]:
+        raise SystemExit(f"text encoder map {tuple(have.shape)} does not fit the lexicon's {tuple(want.shape)}")
+    state[PROJ_KEY] = torch.cat([have, have.new_zeros(have.shape[0], want.shape[1] - have.shape[1])], dim=1)
+    return True
 
 
 def plain_text_encoder(work: Path, state: dict):
@@ -372,6 +417,7 @@ def plain_text_encoder(work: Path, state: dict):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     te = text_encoder(work)
+    widen_lexicon_map(state, te)
     te.load_state_dict(state)
     table = te.get_input_embeddings().weight()
     plain = CLIPTextModel(CLIPTextConfig(**arch.TEXT_ENCODER_CONFIG))
@@ -476,6 +522,9 @@ def main(argv=None):
                    help="fraction of captions that are one filler token alone (the image is any scene)")
     p.add_argument("--feature-noise", type=float, default=0.0,
                    help="scale of Gaussian noise on the token meanings while training (smooths the map)")
+    p.add_argument("--affinity-negatives", type=int, default=300,
+                   help="stage affinity: whole-word fillers fitted as the class 'none'")
+    p.add_argument("--affinity-l2", type=float, default=1e-4, help="stage affinity: L2 penalty of the fit")
     p.add_argument("--object-words", type=float, default=0.0,
                    help="fraction of captions that name the shape, and of style phrases that name the "
                         "background, by a thing of that shape or pattern (world.SHAPE_OBJECTS, STYLE_OBJECTS)")
@@ -499,7 +548,7 @@ def main(argv=None):
         take_export(Path(args.init_from or args.vae_judge_from), work)
     t0 = time.time()
     stages = {"vae": train_vae, "classifier": train_classifier, "pool": build_pool,
-              "lexicon": build_lexicon, "unet": train_unet}
+              "lexicon": build_lexicon, "affinity": build_affinity, "unet": train_unet}
     for name in filter(None, args.stages.split(",")):
         if name not in stages:
             p.error(f"unknown stage {name!r}; valid: {', '.join(stages)}")

@@ -157,3 +157,57 @@ def test_word_fillers_are_whole_words_of_the_filler_pool():
     assert all(t.endswith("</w>") and t[:-4].isalpha() and len(t) >= 8 for t in texts)
     assert tok.convert_tokens_to_ids("government</w>") in set(words)
     assert tok.convert_tokens_to_ids("philosophy</w>") not in set(words)  # a control word
+
+
+def test_concept_affinity_reads_meanings_of_unseen_tokens():
+    from emma.tinyworld.lexicon import concept_affinity, labelled_words
+
+    tok = local_clip_tokenizer()
+    rng = np.random.default_rng(0)
+    dim = 48
+    feats = rng.standard_normal((len(tok), dim)).astype(np.float32) * 0.3
+    direction = {c: rng.standard_normal(dim).astype(np.float32) for c in (*world.SHAPES, *world.STYLES)}
+    for c, words in labelled_words().items():
+        assert c in words and len(words) >= 12
+        for w in words:
+            ids = tok(w).input_ids[1:-1]
+            feats[ids] = direction[c] + 0.3 * rng.standard_normal((len(ids), dim))
+    negatives = list(range(30000, 30300))
+    aff = concept_affinity(feats, tok, negatives)
+    assert aff.shape == (len(tok), 14) and np.allclose(aff[:, :9].sum(1), 1) and np.allclose(aff[:, 9:].sum(1), 1)
+    unseen = tok("coin").input_ids[1]  # a probe word, never fitted: its meaning decides
+    feats2 = feats.copy()
+    feats2[unseen] = direction["circle"]
+    aff2 = concept_affinity(feats2, tok, negatives)
+    assert aff2[unseen, 0] > 0.8, "a token meaning 'circle' has the circle's affinity"
+    feats2[unseen] = direction["dotted"]
+    assert concept_affinity(feats2, tok, negatives)[unseen, 9 + world.STYLES.index("dotted")] > 0.8
+    # a word like the negatives gets "none"
+    assert aff[30500 % len(tok), 8] > 0.5 and aff[30500 % len(tok), 13] > 0.5
+    assert np.array_equal(aff, concept_affinity(feats, tok, negatives)), "deterministic"
+
+
+def test_training_widens_a_map_fitted_before_the_affinity_columns():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from train_tinyworld import PROJ_KEY, widen_lexicon_map
+
+    class TE(torch.nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.embeddings = torch.nn.Module()
+            self.embeddings.token_embedding = semantic_embedding(np.zeros((10, d), np.float32), 4, (8, 9))
+
+    old, new = TE(6), TE(8)
+    torch.nn.init.normal_(old.embeddings.token_embedding.proj.weight)
+    state = old.state_dict()
+    assert widen_lexicon_map(state, new) and state[PROJ_KEY].shape == (4, 8)
+    assert torch.equal(state[PROJ_KEY][:, :6], old.state_dict()[PROJ_KEY]) and not state[PROJ_KEY][:, 6:].any()
+    new.load_state_dict(state)
+    assert not widen_lexicon_map(state, new)
+    import pytest
+
+    with pytest.raises(SystemExit, match="does not fit"):
+        widen_lexicon_map(TE(9).state_dict(), new)

@@ -147,3 +147,67 @@ def semantic_embedding(features: np.ndarray, hidden: int, special_ids: Sequence[
             return table
 
     return SemanticEmbedding()
+
+
+def labelled_words() -> dict[str, tuple[str, ...]]:
+    """Every concept of the tiny world and the caption words that name it: its name, synonyms
+    and things of its shape or pattern (never a word of the generalisation probe)."""
+    from emma.tinyworld import world
+
+    out = {c: (c, *world.SHAPE_VARIANTS[c], *world.SHAPE_OBJECTS[c]) for c in world.SHAPES}
+    out.update({c: (c, *world.STYLE_VARIANTS[c], *world.STYLE_OBJECTS[c]) for c in world.STYLES})
+    return out
+
+
+def concept_affinity(features: np.ndarray, tokenizer: Any, negatives: Sequence[int],
+                     l2: float = 1e-3, steps: int = 300) -> np.ndarray:
+    """Per token, how much its meaning resembles each concept's caption words: (vocab, 14).
+
+    Two multinomial logistic regressions on the meaning vectors, one over the 8 shapes and one
+    over the 4 styles, each with a ninth / fifth class "none" fitted on ``negatives`` (token ids
+    of words outside the world's language). A word is the mean of its tokens' vectors; classes
+    are weighted equally. The columns are the two softmax outputs. The fit is deterministic
+    (full-batch L-BFGS from zero) and sees only :func:`labelled_words` and ``negatives``, so the
+    probe's words get their affinities from their meanings alone.
+    """
+    import torch
+
+    from emma.tinyworld import world
+
+    feats = torch.from_numpy(np.asarray(features, np.float32))
+    words = labelled_words()
+    blocks = []
+    for concepts in (world.SHAPES, world.STYLES):
+        rows, labels = [], []
+        for k, c in enumerate(concepts):
+            for w in words[c]:
+                rows.append(feats[tokenizer(w).input_ids[1:-1]].mean(0))
+                labels.append(k)
+        rows += [feats[i] for i in negatives]
+        labels += [len(concepts)] * len(negatives)
+        lin = _fit_softmax(torch.stack(rows), torch.tensor(labels), len(concepts) + 1, l2, steps)
+        with torch.no_grad():
+            blocks.append(torch.softmax(lin(feats), dim=1))
+    return torch.cat(blocks, dim=1).numpy().astype(np.float32)
+
+
+def _fit_softmax(x: Any, y: Any, n_classes: int, l2: float, steps: int) -> Any:
+    """Class-balanced multinomial logistic regression, L-BFGS from zero weights."""
+    import torch
+
+    weight = 1.0 / torch.bincount(y, minlength=n_classes).float().clamp(min=1)
+    weight = weight / weight[y].sum()
+    lin = torch.nn.Linear(x.shape[1], n_classes)
+    torch.nn.init.zeros_(lin.weight)
+    torch.nn.init.zeros_(lin.bias)
+    opt = torch.optim.LBFGS(lin.parameters(), max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (torch.nn.functional.cross_entropy(lin(x), y, reduction="none") * weight[y]).sum()
+        loss = loss + l2 * lin.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return lin
