@@ -243,11 +243,12 @@ def build_affinity(args, work: Path):
     pool = filler_pool(tok, words_only=True)
     negatives = np.random.default_rng([args.seed, 48]).choice(pool, args.affinity_negatives, replace=False)
     feats = np.load(work / "lexicon.npy").astype(np.float32)
-    aff = lexicon.concept_affinity(feats, tok, negatives.tolist(), l2=args.affinity_l2)
+    aff = lexicon.concept_affinity(feats, tok, negatives.tolist(), l2=args.affinity_l2) * args.affinity_scale
     tmp = work / "affinity.tmp.npy"
     np.save(tmp, aff)
     os.replace(tmp, out)
-    log(f"affinity: {aff.shape[1]} columns from {args.affinity_negatives} negatives, l2 {args.affinity_l2}")
+    log(f"affinity: {aff.shape[1]} columns from {args.affinity_negatives} negatives, l2 {args.affinity_l2}, "
+        f"scale {args.affinity_scale}")
 
 
 # --------------------------------------------------------------------------- UNet + text
@@ -525,6 +526,8 @@ def main(argv=None):
     p.add_argument("--affinity-negatives", type=int, default=300,
                    help="stage affinity: whole-word fillers fitted as the class 'none'")
     p.add_argument("--affinity-l2", type=float, default=1e-4, help="stage affinity: L2 penalty of the fit")
+    p.add_argument("--affinity-scale", type=float, default=1.0,
+                   help="stage affinity: the columns' scale (probabilities times this; the map learns them faster)")
     p.add_argument("--object-words", type=float, default=0.0,
                    help="fraction of captions that name the shape, and of style phrases that name the "
                         "background, by a thing of that shape or pattern (world.SHAPE_OBJECTS, STYLE_OBJECTS)")

@@ -11,6 +11,13 @@ The meaning vector of a token is the sentence model's embedding of the token's t
 L2-normalised per token. The second template asks for what the word looks like, which puts
 "coin" nearer "disc" and "jewel" nearer "rhombus" than the bare word does.
 
+Optionally (training stage ``affinity``), each token also gets 14 *concept-affinity* columns:
+the shape and style distributions, each with a class "none", that a logistic regression fitted
+on the caption words' meaning vectors (names, synonyms, things of a shape or pattern) and on
+common words outside the world's language gives the token (:func:`concept_affinity`). They are
+a function of the meaning vectors alone and never see a probe word; they make explicit what a
+word's meaning resembles, which the map, fitted on a few hundred words, learns only weakly.
+
 Training (``scripts/train_tinyworld.py``) learns the map; the exported pipeline bakes
 ``features @ map`` into an ordinary ``CLIPTextModel`` token-embedding table, so loading the tiny
 world needs no sentence model.
