@@ -306,6 +306,7 @@ def train_unet(args, work: Path):
         else:
             opt.load_state_dict(state["opt"])
         log(f"unet: resumed at step {start}")
+    record_phase(work, start, args)
     n_pool = len(pool["specs"])
     use_fillers = args.filler_tokens or args.filler_alone
     fillers = torch.tensor(filler_pool(tok, args.filler_words == "english")) if use_fillers else None
@@ -446,6 +447,25 @@ def init_from_export(folder: Path, unet, te) -> int:
     return int(meta["unet_steps_trained"])
 
 
+def phase_args(args) -> dict:
+    """The arguments that decide what a UNet phase trains (not where it runs or writes)."""
+    return {k: v for k, v in vars(args).items() if k not in ("work_dir", "export", "device", "threads", "stages")}
+
+
+def record_phase(work: Path, start: int, args) -> None:
+    """Append this UNet phase (its first step and arguments) to ``work/phases.json``, once: a
+    model continued over several runs (``--unet-steps`` raised, new flags) keeps its recipe."""
+    path = work / "phases.json"
+    phases = json.loads(path.read_text()) if path.exists() else []
+    entry = {"to_step": args.unet_steps, "args": phase_args(args)}
+    if any(p["to_step"] == entry["to_step"] and p["args"] == entry["args"] for p in phases):
+        return  # the same phase, resumed
+    phases.append({"from_step": start, **entry})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(phases, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 # --------------------------------------------------------------------------- export
 def export(args, work: Path, dest: Path):
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
@@ -488,6 +508,8 @@ def export(args, work: Path, dest: Path):
               str(dest / "classifier.safetensors"))
     meta = {"classifier_accuracy": clf["accuracy"], "unet_steps_trained": final["step"],
             "args": {k: v for k, v in vars(args).items() if k not in ("work_dir", "export")}}
+    if (work / "phases.json").exists():  # every UNet phase that led here, in order
+        meta["phases"] = json.loads((work / "phases.json").read_text())
     (dest / "training.json").write_text(json.dumps(meta, indent=2, default=str))
     log(f"exported to {dest}")
 

@@ -115,6 +115,18 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     assert refused.returncode != 0
     last = refused.stderr.strip().splitlines()[-1]
     assert "holds a --unet v2 run; resume it with that --unet, or start --unet v1" in last
+    # a continuation with the affinity columns and the wider language: the map is widened, the
+    # export records both phases
+    longer = [*cmd[:at], "--unet-steps", "6", *cmd[at + 2:], "--stages", "affinity,unet", "--affinity-negatives",
+              "20", "--object-words", "0.3", "--filler-words", "english", "--filler-alone", "0.5"]
+    proc = subprocess.run(longer, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the lexicon gained columns" in proc.stdout and (work / "affinity.npy").exists()
+    phases = json.loads((out / "training.json").read_text())["phases"]
+    assert [(p["from_step"], p["to_step"]) for p in phases] == [(0, 4), (4, 6)]
+    assert phases[0]["args"]["object_words"] == 0 and phases[1]["args"]["object_words"] == 0.3
+    pipe = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, dtype=torch.float32)
+    assert pipe.text_encoder.get_input_embeddings().weight.shape[0] == 49408
 
 
 @needs_assets
