@@ -5,8 +5,9 @@ each stage writes its result into ``--work-dir`` atomically and is skipped when 
 the UNet stage checkpoints every ``--ckpt-every`` steps and resumes from the latest one.
 CPU by default (``--device cuda`` trains the same on a GPU).
 
-    python scripts/train_tinyworld.py                     # full run (about an hour on 2 cores)
-    python scripts/train_tinyworld.py --export emma/tinyworld/assets
+    python scripts/train_tinyworld.py                     # one UNet phase with the defaults
+    python scripts/train_tinyworld.py --threads 1 --recipe scripts/tinyworld_recipe.json \
+        --export emma/tinyworld/assets                    # the shipped world (about 5 h, one thread)
 
 The exported folder loads with
 ``StableDiffusionPipeline.from_pretrained(folder / "pipeline", local_files_only=True)``.
@@ -449,7 +450,8 @@ def init_from_export(folder: Path, unet, te) -> int:
 
 def phase_args(args) -> dict:
     """The arguments that decide what a UNet phase trains (not where it runs or writes)."""
-    return {k: v for k, v in vars(args).items() if k not in ("work_dir", "export", "device", "threads", "stages")}
+    return {k: v for k, v in vars(args).items()
+            if k not in ("work_dir", "export", "device", "threads", "stages", "recipe")}
 
 
 def record_phase(work: Path, start: int, args) -> None:
@@ -507,14 +509,59 @@ def export(args, work: Path, dest: Path):
     save_file({k: v.contiguous() for k, v in clf["state_dict"].items()},
               str(dest / "classifier.safetensors"))
     meta = {"classifier_accuracy": clf["accuracy"], "unet_steps_trained": final["step"],
-            "args": {k: v for k, v in vars(args).items() if k not in ("work_dir", "export")}}
+            "args": {k: v for k, v in vars(args).items() if k not in ("work_dir", "export", "recipe")}}
+    if args.recipe:  # the whole recipe, so the export names every phase that made it
+        meta["recipe"] = json.loads(Path(args.recipe).read_text())
     if (work / "phases.json").exists():  # every UNet phase that led here, in order
         meta["phases"] = json.loads((work / "phases.json").read_text())
     (dest / "training.json").write_text(json.dumps(meta, indent=2, default=str))
     log(f"exported to {dest}")
 
 
-def main(argv=None):
+# --------------------------------------------------------------------------- recipe
+RECIPE_FIXED = ("work_dir", "export", "device", "threads", "recipe")
+
+
+def load_recipe(path: Path, args) -> tuple[dict, list[dict]]:
+    """Read a training recipe: ``{"args": {...}, "phases": [{...}, ...]}``.
+
+    ``args`` sets the run's arguments (argparse names, e.g. ``"unet_steps"``) over the command
+    line's; each phase changes some of them, cumulatively, and may name its ``"stages"``
+    (default ``"unet"``). A phase must raise ``unet_steps``: it continues the UNet from where the
+    previous one ended, exactly as a finished run extended with new flags does."""
+    try:
+        recipe = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--recipe {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("phases"), list) or not recipe["phases"]:
+        raise SystemExit(f'--recipe {path}: expected {{"args": {{...}}, "phases": [{{...}}, ...]}} '
+                         "with at least one phase")
+    valid = sorted(k for k in vars(args) if k not in RECIPE_FIXED)
+    steps = -1
+    for where, block in [("args", recipe.get("args", {}))] + [
+            (f"phase {i + 1}", ph) for i, ph in enumerate(recipe["phases"])]:
+        if not isinstance(block, dict):
+            raise SystemExit(f"--recipe {path}: {where} must be an object of settings")
+        bad = sorted(set(block) - set(valid))
+        if bad:
+            raise SystemExit(f"--recipe {path}: {where} sets {', '.join(bad)}, which a recipe cannot set; "
+                             f"valid: {', '.join(valid)}")
+        if where != "args":
+            if block.get("unet_steps", -1) <= steps:
+                raise SystemExit(f"--recipe {path}: {where} must set unet_steps above the previous "
+                                 f"phase's ({steps})")
+            steps = block["unet_steps"]
+    return recipe.get("args", {}), recipe["phases"]
+
+
+def run_stages(args, work: Path, stages: dict, names: str) -> None:
+    for name in filter(None, names.split(",")):
+        t = time.time()
+        stages[name](args, work)
+        log(f"stage {name}: {time.time() - t:.0f} s")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", default=str(ROOT / ".cache" / "tinyworld-train"))
     p.add_argument("--export", default=None, help="folder to export the trained assets into")
@@ -564,6 +611,14 @@ def main(argv=None):
                    help="token meanings from the sentence model, or seeded noise (plumbing tests only)")
     p.add_argument("--stages", default="vae,classifier,pool,lexicon,unet",
                    help="comma-separated stages to run, in order (finished stages are skipped)")
+    p.add_argument("--recipe", default=None,
+                   help="a JSON recipe: the base stages, then UNet phases that each continue the previous "
+                        "one with changed settings (scripts/tinyworld_recipe.json trains the shipped world)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -574,12 +629,20 @@ def main(argv=None):
     t0 = time.time()
     stages = {"vae": train_vae, "classifier": train_classifier, "pool": build_pool,
               "lexicon": build_lexicon, "affinity": build_affinity, "unet": train_unet}
-    for name in filter(None, args.stages.split(",")):
-        if name not in stages:
-            p.error(f"unknown stage {name!r}; valid: {', '.join(stages)}")
-        t = time.time()
-        stages[name](args, work)
-        log(f"stage {name}: {time.time() - t:.0f} s")
+    phases = [{}]
+    if args.recipe:
+        base, phases = load_recipe(Path(args.recipe), args)
+        vars(args).update(base)
+        args.stages = base.get("stages", "vae,classifier,pool,lexicon")
+    for names in [args.stages] + [ph.get("stages", "unet") for ph in phases if ph]:
+        for name in filter(None, names.split(",")):
+            if name not in stages:
+                p.error(f"unknown stage {name!r}; valid: {', '.join(stages)}")
+    run_stages(args, work, stages, args.stages)
+    for i, phase in enumerate(ph for ph in phases if ph):
+        vars(args).update({k: v for k, v in phase.items() if k != "stages"})
+        log(f"recipe phase {i + 1} of {len(phases)}: to step {args.unet_steps}")
+        run_stages(args, work, stages, phase.get("stages", "unet"))
     if args.export:
         export(args, work, Path(args.export))
         if not args.stages:

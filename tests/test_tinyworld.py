@@ -3,6 +3,7 @@ model's quality on a small sample (looser floors than the model card's)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -127,6 +128,50 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     assert phases[0]["args"]["object_words"] == 0 and phases[1]["args"]["object_words"] == 0.3
     pipe = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, dtype=torch.float32)
     assert pipe.text_encoder.get_input_embeddings().weight.shape[0] == 49408
+    # the same two phases as a recipe, in one command and a fresh work dir, give the same weights
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"args": {"lexicon": "random"}, "phases": [
+        {"unet_steps": 4}, {"unet_steps": 6, "stages": "affinity,unet", "affinity_negatives": 20,
+                            "object_words": 0.3, "filler_words": "english", "filler_alone": 0.5}]}))
+    base = [a for a in cmd if a not in ("--lexicon", "random")]
+    base[base.index("--work-dir") + 1], base[base.index("--export") + 1] = str(tmp_path / "w2"), str(tmp_path / "e2")
+    proc = subprocess.run([*base, "--recipe", str(recipe)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for part in ("unet", "text_encoder"):
+        ours = next((tmp_path / "e2" / "pipeline" / part).glob("*.safetensors")).read_bytes()
+        assert ours == next((out / "pipeline" / part).glob("*.safetensors")).read_bytes(), part
+    exported = json.loads((tmp_path / "e2" / "training.json").read_text())
+    assert exported["recipe"]["phases"][1]["unet_steps"] == 6
+    assert [(p["from_step"], p["to_step"]) for p in exported["phases"]] == [(0, 4), (4, 6)]
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ({"phases": []}, "with at least one phase"),
+    ({"phases": [{"unet_steps": 4, "unet_stepz": 5}]}, "phase 1 sets unet_stepz, which a recipe cannot set; valid: "),
+    ({"args": {"threads": 2}, "phases": [{"unet_steps": 4}]}, "args sets threads, which a recipe cannot set"),
+    ({"phases": [{"unet_steps": 4}, {"unet_steps": 4}]}, "phase 2 must set unet_steps above the previous phase's (4)"),
+    ({"phases": [{"unet_steps": 4, "stages": "unet,paint"}]}, "unknown stage 'paint'; valid: vae, classifier"),
+])
+def test_training_recipe_errors_name_the_bad_setting(tmp_path, recipe, message):
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_tinyworld.py"), "--work-dir",
+                           str(tmp_path / "w"), "--recipe", str(path)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and not (tmp_path / "w" / "vae.pt").exists()
+    last = proc.stderr.strip().splitlines()[-1]
+    assert message in last and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_shipped_recipe_is_valid_and_continues_phase_by_phase():
+    spec = importlib.util.spec_from_file_location("train_tinyworld", ROOT / "scripts" / "train_tinyworld.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.build_parser().parse_args([])
+    base, phases = mod.load_recipe(ROOT / "scripts" / "tinyworld_recipe.json", args)
+    assert base["stages"] == "vae,classifier,pool,lexicon" and base["lexicon"] == "minilm"
+    assert [ph["unet_steps"] for ph in phases] == [4000, 8000, 12000, 15000, 18000, 21000, 27000]
+    assert [ph.get("stages", "unet") for ph in phases].count("affinity,unet") == 1
 
 
 @needs_assets
