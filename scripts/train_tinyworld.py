@@ -236,10 +236,16 @@ def build_affinity(args, work: Path):
     from emma.tinyworld import lexicon
     from emma.tinyworld.generalisation import filler_pool
 
-    out = work / "affinity.npy"
+    out, meta = work / "affinity.npy", work / "affinity.json"
+    settings = {"seed": args.seed, "negatives": args.affinity_negatives, "l2": args.affinity_l2,
+                "scale": args.affinity_scale}
     if out.exists():
-        log("affinity: done, skipping")
-        return
+        # a folder from before the settings were stored holds the settings it was started with
+        done = json.loads(meta.read_text()) if meta.exists() else settings
+        if done == settings:
+            log("affinity: done, skipping")
+            return
+        log(f"affinity: refitting, the settings changed from {done} to {settings}")
     tok = local_clip_tokenizer()
     pool = filler_pool(tok, words_only=True)
     negatives = np.random.default_rng([args.seed, 48]).choice(pool, args.affinity_negatives, replace=False)
@@ -248,6 +254,9 @@ def build_affinity(args, work: Path):
     tmp = work / "affinity.tmp.npy"
     np.save(tmp, aff)
     os.replace(tmp, out)
+    tmp = work / "affinity.tmp.json"
+    tmp.write_text(json.dumps(settings))
+    os.replace(tmp, meta)
     log(f"affinity: {aff.shape[1]} columns from {args.affinity_negatives} negatives, l2 {args.affinity_l2}, "
         f"scale {args.affinity_scale}")
 

@@ -251,3 +251,15 @@ def test_default_cell_measures_the_base_model(tmp_path, monkeypatch):
     assert res.metrics["ea/name"].value <= 0.3
     assert res.metrics["ra/random"].value >= 0.6
     assert not res.notes  # real weights: no plumbing-only note
+
+
+def test_model_card_lists_the_recipe_phases_and_what_each_changed():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import eval_tinyworld
+
+    table = eval_tinyworld.phase_table({"recipe": json.loads((ROOT / "scripts" / "tinyworld_recipe.json").read_text())})
+    rows = table.splitlines()[2:]
+    assert rows[0] == "| 1 | 0 -> 4000 | - |"
+    assert rows[3].startswith("| 4 | 12000 -> 15000 | ") and "object_words=0.3" in rows[3]
+    assert "stages=affinity,unet" in rows[5] and "affinity_scale=4.0" in rows[5]
+    assert eval_tinyworld.phase_table({"args": {}}) == "(one phase: the arguments in training.json)"
