@@ -263,3 +263,22 @@ def test_model_card_lists_the_recipe_phases_and_what_each_changed():
     assert rows[3].startswith("| 4 | 12000 -> 15000 | ") and "object_words=0.3" in rows[3]
     assert "stages=affinity,unet" in rows[5] and "affinity_scale=4.0" in rows[5]
     assert eval_tinyworld.phase_table({"args": {}}) == "(one phase: the arguments in training.json)"
+
+
+def test_affinity_stage_skips_same_settings_and_refits_changed_ones(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("train_tinyworld", ROOT / "scripts" / "train_tinyworld.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    feats = np.random.default_rng(0).standard_normal((len(local_clip_tokenizer()), 16)).astype(np.float16)
+    np.save(tmp_path / "lexicon.npy", feats)
+    args = mod.build_parser().parse_args(["--affinity-negatives", "30"])
+    mod.build_affinity(args, tmp_path)
+    first = np.load(tmp_path / "affinity.npy")
+    assert first.shape == (feats.shape[0], 14)
+    assert json.loads((tmp_path / "affinity.json").read_text())["negatives"] == 30
+    mod.build_affinity(args, tmp_path)
+    assert "affinity: done, skipping" in capsys.readouterr().out
+    args.affinity_scale = 2.0
+    mod.build_affinity(args, tmp_path)
+    assert "refitting" in capsys.readouterr().out
+    np.testing.assert_allclose(np.load(tmp_path / "affinity.npy"), first * 2.0, rtol=1e-5, atol=1e-6)
