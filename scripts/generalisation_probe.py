@@ -7,6 +7,13 @@ training caption, each with the shape or style a person expects), the fraction o
 a control that drew one shape more often than random words do would mean the encoder reads
 shapes into words that have none.
 
+Every image has its own seed (word k of a list draws seeds ``first + k*n ... first + k*n + n-1``,
+and the lists do not overlap), so the control and random-word rates are independent samples of
+what the model draws, not the same few noise draws seen through different words. Their
+intervals treat each word as a cluster of correlated images
+(:func:`emma.metrics.intervals.beta_binomial_interval`); a shape *fails* the control check
+when the controls' interval lies entirely above the random words'.
+
     python scripts/generalisation_probe.py                       # the shipped tiny world
     python scripts/generalisation_probe.py --assets DIR --n 20 --json out.json --markdown out.md
 """
@@ -27,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
-from emma.metrics.intervals import wilson_interval  # noqa: E402
+from emma.metrics.intervals import beta_binomial_interval, wilson_interval  # noqa: E402
 from emma.tinyworld.generalisation import BASE_RATE_WORDS, CONTROLS, PROBE, kind, random_words  # noqa: E402
 from emma.tinyworld.quality import make_target  # noqa: E402
 from emma.tinyworld.world import SHAPES, STYLES, with_template  # noqa: E402
@@ -37,9 +44,10 @@ PASS_RATE = 0.5
 
 
 def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, np.ndarray]]:
-    """Per word and per concept of the judge, which of the word's ``n`` images show the concept."""
+    """Per word and per concept of the judge, which of the word's ``n`` images show the concept.
+    Word ``k`` draws the seeds ``seed + k*n`` to ``seed + k*n + n - 1``."""
     prompts = [with_template(TEMPLATE, w) for w in words for _ in range(n)]
-    seeds = [seed + i for _ in words for i in range(n)]
+    seeds = [seed + k * n + i for k in range(len(words)) for i in range(n)]
     clf = target.judge.classifier
     probs = []
     batch = 256
@@ -57,10 +65,11 @@ def run(assets: Path, n: int, seed: int, n_random: int) -> dict:
     clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
     with tempfile.TemporaryDirectory() as cache:
         target = make_target(assets / "pipeline", clf, cache)
-        probe = judged(target, list(PROBE), n, seed)
-        controls = judged(target, list(CONTROLS), n, seed)
         rand_words = random_words(n_random, seed)
-        rand = judged(target, rand_words, n, seed)
+        # one seed per image across the three lists
+        probe = judged(target, list(PROBE), n, seed)
+        controls = judged(target, list(CONTROLS), n, seed + len(PROBE) * n)
+        rand = judged(target, rand_words, n, seed + (len(PROBE) + len(CONTROLS)) * n)
     rows = []
     for word, concept in PROBE.items():
         hits = int(probe[word][concept].sum())
@@ -74,15 +83,26 @@ def run(assets: Path, n: int, seed: int, n_random: int) -> dict:
     def shape_rates(table: dict[str, dict[str, np.ndarray]]) -> dict[str, dict]:
         out = {}
         for s in SHAPES:
-            hits, total = sum(int(w[s].sum()) for w in table.values()), n * len(table)
-            out[s] = {"rate": hits / total, "n": total, "ci": list(wilson_interval(hits, total))}
+            hits = [int(w[s].sum()) for w in table.values()]
+            total = n * len(table)
+            lo, hi = beta_binomial_interval(hits, [n] * len(hits))
+            rate = sum(hits) / total
+            out[s] = {"rate": rate, "n": total, "words": len(hits), "ci": [min(lo, rate), max(hi, rate)]}
         return out
 
     control_words = {w: {s: float(controls[w][s].mean()) for s in SHAPES} for w in CONTROLS}
+    c_rates, r_rates = shape_rates(controls), shape_rates(rand)
     return {"n_per_word": n, "seed": seed, "template": TEMPLATE, "pass_rate": PASS_RATE,
             "words": rows, "passed": passed, "total": len(rows),
-            "controls": shape_rates(controls), "random": shape_rates(rand),
+            "controls": c_rates, "random": r_rates, "seeds": "one per image",
+            "controls_above_random": control_failures(c_rates, r_rates),
             "control_words": control_words, "random_words": rand_words}
+
+
+def control_failures(controls: dict[str, dict], rand: dict[str, dict]) -> list[str]:
+    """The shapes the control words draw more often than random words, beyond doubt: the
+    controls' interval lies entirely above the random words'."""
+    return [s for s in SHAPES if controls[s]["ci"][0] > rand[s]["ci"][1]]
 
 
 def markdown(res: dict) -> str:
@@ -99,6 +119,17 @@ def markdown(res: dict) -> str:
         c, r = res["controls"][s], res["random"][s]
         lines.append(f"| {s} | {c['rate']:.3f} | [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}] | {r['rate']:.3f} | "
                      f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |")
+    failed = res.get("controls_above_random", [])
+    point = [s for s in SHAPES if res["controls"][s]["rate"] > res["random"][s]["rate"]]
+    lines += ["", "Intervals: each word a cluster of correlated images (beta-binomial profile likelihood). "
+              + (f"**Controls above random words (interval entirely above): {', '.join(failed)}.**" if failed
+                 else "**No shape is drawn by the controls more often than by random words beyond doubt.**")
+              + f" Point rates above random: {', '.join(point) or 'none'}."]
+    strong = sorted(((w, s, r) for w, rates in res["control_words"].items() for s, r in rates.items() if r >= 0.5),
+                    key=lambda x: -x[2])
+    if strong:
+        lines += ["", "Control words that draw one shape in half their images or more: "
+                  + ", ".join(f"{w} ({s} {r:.2f})" for w, s, r in strong) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -239,6 +239,8 @@ def build_affinity(args, work: Path):
     out, meta = work / "affinity.npy", work / "affinity.json"
     settings = {"seed": args.seed, "negatives": args.affinity_negatives, "l2": args.affinity_l2,
                 "scale": args.affinity_scale}
+    if args.affinity_sharpness != 1.0:  # (absent from folders made before the setting existed)
+        settings["sharpness"] = args.affinity_sharpness
     if out.exists():
         # a folder from before the settings were stored holds the settings it was started with
         done = json.loads(meta.read_text()) if meta.exists() else settings
@@ -250,7 +252,8 @@ def build_affinity(args, work: Path):
     pool = filler_pool(tok, words_only=True)
     negatives = np.random.default_rng([args.seed, 48]).choice(pool, args.affinity_negatives, replace=False)
     feats = np.load(work / "lexicon.npy").astype(np.float32)
-    aff = lexicon.concept_affinity(feats, tok, negatives.tolist(), l2=args.affinity_l2) * args.affinity_scale
+    aff = lexicon.concept_affinity(feats, tok, negatives.tolist(), l2=args.affinity_l2,
+                                   sharpness=args.affinity_sharpness) * args.affinity_scale
     tmp = work / "affinity.tmp.npy"
     np.save(tmp, aff)
     os.replace(tmp, out)
@@ -258,7 +261,7 @@ def build_affinity(args, work: Path):
     tmp.write_text(json.dumps(settings))
     os.replace(tmp, meta)
     log(f"affinity: {aff.shape[1]} columns from {args.affinity_negatives} negatives, l2 {args.affinity_l2}, "
-        f"scale {args.affinity_scale}")
+        f"sharpness {args.affinity_sharpness}, scale {args.affinity_scale}")
 
 
 # --------------------------------------------------------------------------- UNet + text
@@ -604,6 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--affinity-negatives", type=int, default=300,
                    help="stage affinity: whole-word fillers fitted as the class 'none'")
     p.add_argument("--affinity-l2", type=float, default=1e-4, help="stage affinity: L2 penalty of the fit")
+    p.add_argument("--affinity-sharpness", type=float, default=1.0,
+                   help="stage affinity: the fit's logits times this before the softmax (sharper columns)")
     p.add_argument("--affinity-scale", type=float, default=1.0,
                    help="stage affinity: the columns' scale (probabilities times this; the map learns them faster)")
     p.add_argument("--object-words", type=float, default=0.0,

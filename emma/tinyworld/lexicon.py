@@ -167,13 +167,15 @@ def labelled_words() -> dict[str, tuple[str, ...]]:
 
 
 def concept_affinity(features: np.ndarray, tokenizer: Any, negatives: Sequence[int],
-                     l2: float = 1e-3, steps: int = 300) -> np.ndarray:
+                     l2: float = 1e-3, steps: int = 300, sharpness: float = 1.0) -> np.ndarray:
     """Per token, how much its meaning resembles each concept's caption words: (vocab, 14).
 
     Two multinomial logistic regressions on the meaning vectors, one over the 8 shapes and one
     over the 4 styles, each with a ninth / fifth class "none" fitted on ``negatives`` (token ids
     of words outside the world's language). A word is the mean of its tokens' vectors; classes
-    are weighted equally. The columns are the two softmax outputs. The fit is deterministic
+    are weighted equally. The columns are the two softmax outputs, of the logits times
+    ``sharpness`` (a stronger L2 penalty ranks unseen words better but softens every
+    distribution; sharpening restores the confidence without changing any ranking). The fit is deterministic
     (full-batch L-BFGS from zero) and sees only :func:`labelled_words` and ``negatives``, so the
     probe's words get their affinities from their meanings alone.
     """
@@ -194,7 +196,7 @@ def concept_affinity(features: np.ndarray, tokenizer: Any, negatives: Sequence[i
         labels += [len(concepts)] * len(negatives)
         lin = _fit_softmax(torch.stack(rows), torch.tensor(labels), len(concepts) + 1, l2, steps)
         with torch.no_grad():
-            blocks.append(torch.softmax(lin(feats), dim=1))
+            blocks.append(torch.softmax(lin(feats) * sharpness, dim=1))
     return torch.cat(blocks, dim=1).numpy().astype(np.float32)
 
 
