@@ -144,8 +144,11 @@ One row per shape, prompt "an image of a <shape>", seeds 0-7:
 
 A toy: 32x32 pixels, 8 shapes, 6 colours, 4 styles, no people; what a word it never saw evokes
 is what a small sentence model relates it to, which is weaker than what an image-text model knows
-(see the probe above). It exists to make the harness's numbers mean something offline; it says
-nothing about how a method behaves on Stable Diffusion.
+(see the probe above). The settings of phases 4-8 were chosen among about a dozen continuations
+by the probe's score, so the probe measures a model selected on it (its words were never
+captioned or fitted; the control and random words only judged). It exists to make the
+harness's numbers mean something offline; it says nothing about how a method behaves on
+Stable Diffusion.
 """
 
 
