@@ -198,7 +198,7 @@ def sweep_table(sweep: dict[float, dict[str, float]]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--assets", default=str(ROOT / "emma" / "tinyworld" / "assets"))
-    p.add_argument("--n-name", type=int, default=40)
+    p.add_argument("--n-name", type=int, default=160)
     p.add_argument("--n-other", type=int, default=10)
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--guidance", type=float, default=5.0, help="guidance of the measured images")
