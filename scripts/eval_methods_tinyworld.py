@@ -36,6 +36,7 @@ import torch  # noqa: E402
 METHODS = ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn",
            "rece", "salun", "spm")
 SHAPES = ("circle", "square", "triangle", "star", "heart", "cross", "crescent", "diamond")
+STYLES = ("plain", "striped", "dotted", "checkered")
 RATE_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random]")
 
 
@@ -61,13 +62,20 @@ class CellRates:
     method_config: dict[str, Any]
 
 
+def concept_overrides(concept: str) -> list[str]:
+    """The overrides that pick ``concept``: a style of the tiny world is a concept of the
+    ``tinyworld_style`` domain, a shape one of the default ``tinyworld`` domain."""
+    return (["domain=tinyworld_style"] if concept in STYLES else []) + [f"concept={concept}"]
+
+
 def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt: int | None = None,
                   cache_dir: str | Path, overrides: Sequence[str] = (), threads: int | None = None) -> CellRates:
     """Run the cell ``method=<method> concept=<concept>`` (EA name + RA random only) and
-    return its rates. ``images_per_prompt=None`` keeps the domain's default (10)."""
+    return its rates; a style runs in the ``tinyworld_style`` domain. ``images_per_prompt=None``
+    keeps the domain's default (10)."""
     from emma.cell import run_cell
 
-    ov = [f"method={method}", f"concept={concept}", f"seed={seed}", *RATE_OVERRIDES,
+    ov = [f"method={method}", *concept_overrides(concept), f"seed={seed}", *RATE_OVERRIDES,
           f"paths.cache_dir={cache_dir}"]
     if images_per_prompt is not None:
         ov.append(f"images_per_prompt={images_per_prompt}")
@@ -92,7 +100,11 @@ def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt
 
 # ---------------------------------------------------------------------------- sample grid
 def grid_prompts(concept: str) -> list[str]:
-    """The sample grid's columns: the erased concept's name prompt x 4, two other shapes x 2."""
+    """The sample grid's columns: the erased concept's name prompt x 4, two other concepts of
+    its domain x 2."""
+    if concept in STYLES:
+        others = [c for c in ("striped", "dotted", "checkered") if c != concept][:2]
+        return [f"a star in {c} style" for c in [concept] * 4 + [others[0]] * 2 + [others[1]] * 2]
     others = [c for c in ("crescent", "square", "triangle") if c != concept][:2]
     return [f"an image of a {c}" for c in [concept] * 4 + [others[0]] * 2 + [others[1]] * 2]
 
@@ -105,8 +117,8 @@ def sample_row(method: str, concept: str, cache_dir: str | Path, seed: int = 0) 
     from emma.stages.model import load_model
     from emma.stages.setup import setup
 
-    ctx = setup(compose([f"method={method}", f"concept={concept}", f"seed={seed}", f"paths.cache_dir={cache_dir}"]),
-                lookup=False)
+    ctx = setup(compose([f"method={method}", *concept_overrides(concept), f"seed={seed}",
+                         f"paths.cache_dir={cache_dir}"]), lookup=False)
     load_model(ctx)
     erase(ctx)
     prompts = grid_prompts(concept)
@@ -240,7 +252,8 @@ Command: `{command}` — {time.strftime('%Y-%m-%d %H:%M %Z')}, torch {torch.__ve
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--concepts", default=",".join(SHAPES))
+    ap.add_argument("--concepts", default=",".join(SHAPES),
+                    help="comma-separated shapes and styles (a style runs in the tinyworld_style domain)")
     ap.add_argument("--seeds", default="0", help="comma-separated cell seeds (erasure and images)")
     ap.add_argument("--images-per-prompt", type=int, default=None, help="default: the domain's (10)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -274,10 +287,10 @@ def main(argv: list[str] | None = None) -> None:
             cells.update({(r["method"], r["concept"], r["seed"]): CellRates(**r) for r in data["rows"]})
         rows = list(cells.values())
         order = {m: i for i, m in enumerate(METHODS)}
-        shape = {c: i for i, c in enumerate(SHAPES)}
+        shape = {c: i for i, c in enumerate(SHAPES + STYLES)}
         rows.sort(key=lambda r: (order.get(r.method, len(order)), shape.get(r.concept, len(shape))))
         methods = list(dict.fromkeys(r.method for r in rows))
-        concepts = [c for c in SHAPES if c in base] + [c for c in base if c not in SHAPES]
+        concepts = [c for c in SHAPES + STYLES if c in base] + [c for c in base if c not in SHAPES + STYLES]
         write_report(args, argv, rows, base, methods, concepts, seeds)
         return
     kw = dict(images_per_prompt=args.images_per_prompt, cache_dir=args.cache, threads=args.threads)

@@ -159,3 +159,11 @@ def test_same_cell_twice_in_one_process_and_in_two_processes_is_bit_identical(tm
     assert erased[0] == erased[1] == erased[2]
     runtime = json.loads((outs[2] / "results.json").read_text())["versions"]["runtime"]
     assert runtime["torch_threads"] == 1
+
+
+def test_a_style_concept_runs_in_the_style_domain():
+    assert ev.concept_overrides("striped") == ["domain=tinyworld_style", "concept=striped"]
+    assert ev.concept_overrides("circle") == ["concept=circle"]
+    cfg = ev.compose(["method=uce", *ev.concept_overrides("dotted")])
+    assert cfg.domain.name == "tinyworld_style" and cfg.concept == "dotted"
+    assert ev.grid_prompts("dotted")[:5] == ["a star in dotted style"] * 4 + ["a star in striped style"]
