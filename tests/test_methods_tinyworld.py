@@ -127,6 +127,12 @@ def test_ca_anchors_on_the_other_shapes_of_any_concept():
     table = for_domain(OmegaConf.to_container(model.anchor_concepts, resolve=True), "tinyworld", what="")
     assert ConceptAblationMethod.anchors_of(table, "star", ["star"], load_domain("tinyworld")) == anchors
     assert model.prior_preservation
+    # styles likewise: the generic style anchor "plain" is itself a style of the domain
+    for method in ("ca", "ca_model"):
+        cfg = ev.compose([f"method={method}", "domain=tinyworld_style", "concept=plain"]).method
+        table = for_domain(OmegaConf.to_container(cfg.anchor_concepts, resolve=True), "tinyworld_style", what="")
+        got = ConceptAblationMethod.anchors_of(table, "plain", ["plain"], load_domain("tinyworld_style"))
+        assert got == ["striped", "dotted", "checkered"], (method, got)
 
 
 def _metrics(path: Path) -> dict[str, float]:
