@@ -134,6 +134,7 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
         {"unet_steps": 4}, {"unet_steps": 6, "stages": "affinity,unet", "affinity_negatives": 20,
                             "object_words": 0.3, "filler_words": "english", "filler_alone": 0.5}]}))
     base = [a for a in cmd if a not in ("--lexicon", "random")]
+    del base[base.index("--unet-steps"):base.index("--unet-steps") + 2]  # the recipe sets it
     base[base.index("--work-dir") + 1], base[base.index("--export") + 1] = str(tmp_path / "w2"), str(tmp_path / "e2")
     proc = subprocess.run([*base, "--recipe", str(recipe)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -151,12 +152,15 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     ({"args": {"threads": 2}, "phases": [{"unet_steps": 4}]}, "args sets threads, which a recipe cannot set"),
     ({"phases": [{"unet_steps": 4}, {"unet_steps": 4}]}, "phase 2 must set unet_steps above the previous phase's (4)"),
     ({"phases": [{"unet_steps": 4, "stages": "unet,paint"}]}, "unknown stage 'paint'; valid: vae, classifier"),
+    ({"args": {"seed": 0}, "phases": [{"unet_steps": 4}], "argv": ["--seed", "3"]},
+     "--recipe sets --seed; drop it from the command line or edit the recipe"),
 ])
 def test_training_recipe_errors_name_the_bad_setting(tmp_path, recipe, message):
     path = tmp_path / "recipe.json"
+    argv = recipe.pop("argv", [])
     path.write_text(json.dumps(recipe))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_tinyworld.py"), "--work-dir",
-                           str(tmp_path / "w"), "--recipe", str(path)], capture_output=True, text=True,
+                           str(tmp_path / "w"), "--recipe", str(path), *argv], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode != 0 and not (tmp_path / "w" / "vae.pt").exists()
     last = proc.stderr.strip().splitlines()[-1]
