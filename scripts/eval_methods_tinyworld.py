@@ -183,8 +183,11 @@ def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequence[str], command: str,
-             grid_name: str | None) -> str:
+             grid_name: str | None, errors: Sequence[dict[str, Any]] = ()) -> str:
     summary = summarize(rows, base)
+    for e in errors:  # a method with a cell that could not run does not pass
+        if e["method"] in summary:
+            summary[e["method"]]["passes"] = False
     head = ("| method | EA name mean | EA name worst | RA random mean | RA random worst (÷ base) | all pass "
             "| max unlearning (s) |")
     lines = [head, "|---|---|---|---|---|---|---|"]
@@ -204,6 +207,8 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
                                      f"RA {r.ra_random:.2f} < 0.8 x {base[r.concept].ra_random:.2f}"
                                      if r.ra_random < 0.8 * base[r.concept].ra_random else "") if x)
              for r in rows if r.ea_name < 0.8 or r.ra_random < 0.8 * base[r.concept].ra_random]
+    below += [f"- {e['method']} / {e['concept']} (seed {e['seed']}): stopped with an error: {e['error']}"
+              for e in errors]
     failing = "\n".join(below) if below else "None: every cell passes."
     seeds = sorted({r.seed for r in rows})
     n_name = rows[0].n_name if rows else 0
@@ -280,40 +285,63 @@ def main(argv: list[str] | None = None) -> None:
     concepts = [c for c in args.concepts.split(",") if c]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.report:
-        base, cells = {}, {}
+        base, cells, failed = {}, {}, {}
         for path in args.report:  # a later file's cell replaces an earlier one's
             data = json.loads(path.read_text())
             base.update({b["concept"]: CellRates(**b) for b in data["base"]})
-            cells.update({(r["method"], r["concept"], r["seed"]): CellRates(**r) for r in data["rows"]})
+            for r in data["rows"]:
+                cells[(r["method"], r["concept"], r["seed"])] = CellRates(**r)
+                failed.pop((r["method"], r["concept"], r["seed"]), None)
+            for e in data.get("errors", []):
+                failed[(e["method"], e["concept"], e["seed"])] = e
+                cells.pop((e["method"], e["concept"], e["seed"]), None)
         rows = list(cells.values())
         order = {m: i for i, m in enumerate(METHODS)}
         shape = {c: i for i, c in enumerate(SHAPES + STYLES)}
         rows.sort(key=lambda r: (order.get(r.method, len(order)), shape.get(r.concept, len(shape))))
         methods = list(dict.fromkeys(r.method for r in rows))
         concepts = [c for c in SHAPES + STYLES if c in base] + [c for c in base if c not in SHAPES + STYLES]
-        write_report(args, argv, rows, base, methods, concepts, seeds)
+        write_report(args, argv, rows, base, methods, concepts, seeds, list(failed.values()))
         return
     kw = dict(images_per_prompt=args.images_per_prompt, cache_dir=args.cache, threads=args.threads)
     base = {c: evaluate_cell("none", c, seed=seeds[0], **kw) for c in concepts}
     print("base: " + ", ".join(f"{c} {r.ea_name:.2f}/{r.ra_random:.2f}" for c, r in base.items()), flush=True)
+    from emma.errors import EmmaError
+
     rows: list[CellRates] = []
+    errors: list[dict[str, Any]] = []
     for method in methods:
         for concept in concepts:
             for seed in seeds:
-                r = evaluate_cell(method, concept, seed=seed, overrides=args.override, **kw)
+                try:
+                    r = evaluate_cell(method, concept, seed=seed, overrides=args.override, **kw)
+                except EmmaError as e:  # one cell that cannot run is a row of the report, not the end of the sweep
+                    errors.append({"method": method, "concept": concept, "seed": seed, "error": str(e)})
+                    print(f"{method:>9} {concept:>9} seed {seed}: ERROR {e}", flush=True)
+                    if args.json:
+                        write_json(args.json, base, rows, errors)
+                    continue
                 ok = r.ea_name >= 0.8 and r.ra_random >= 0.8 * base[concept].ra_random
                 print(f"{method:>9} {concept:>9} seed {seed}: EA name {r.ea_name:.2f}  RA random {r.ra_random:.2f} "
                       f"(base {base[concept].ra_random:.2f})  unlearning {r.unlearning_s:.1f}s  "
                       f"cell {r.wall_s:.1f}s  {'ok' if ok else 'FAIL'}", flush=True)
                 rows.append(r)
                 if args.json:
-                    args.json.write_text(json.dumps({"base": [asdict(b) for b in base.values()],
-                                                     "rows": [asdict(x) for x in rows]}, indent=1))
-    write_report(args, argv, rows, base, methods, concepts, seeds)
+                    write_json(args.json, base, rows, errors)
+    write_report(args, argv, rows, base, methods, concepts, seeds, errors)
+
+
+def write_json(path: Path, base: dict[str, CellRates], rows: list[CellRates], errors: list[dict[str, Any]]) -> None:
+    """Every cell so far (and every cell that stopped with an error), written atomically."""
+    from emma.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"base": [asdict(b) for b in base.values()],
+                                        "rows": [asdict(x) for x in rows], "errors": errors}, indent=1))
 
 
 def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[CellRates],
-                 base: dict[str, CellRates], methods: list[str], concepts: list[str], seeds: list[int]) -> None:
+                 base: dict[str, CellRates], methods: list[str], concepts: list[str], seeds: list[int],
+                 errors: Sequence[dict[str, Any]] = ()) -> None:
     if str(args.out) == os.devnull:
         return
     grid_name = None
@@ -331,7 +359,7 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[Ce
         given = argv if argv is not None else sys.argv[1:]
         command = ("python scripts/eval_methods_tinyworld.py " + " ".join(given)).strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, base, concepts, command, grid_name))
+    args.out.write_text(markdown(rows, base, concepts, command, grid_name, errors))
     print(f"wrote {args.out}")
 
 

@@ -173,3 +173,37 @@ def test_a_style_concept_runs_in_the_style_domain():
     cfg = ev.compose(["method=uce", *ev.concept_overrides("dotted")])
     assert cfg.domain.name == "tinyworld_style" and cfg.concept == "dotted"
     assert ev.grid_prompts("dotted")[:5] == ["a star in dotted style"] * 4 + ["a star in striped style"]
+
+
+def test_a_cell_that_stops_with_an_error_is_a_failing_row_of_the_report(tmp_path, monkeypatch):
+    from emma.errors import ConfigError
+
+    def fake(method, concept, *, seed=0, **kw):
+        if method == "ca" and concept == "square":
+            raise ConfigError("CA anchor of 'square' is the concept itself; pick a different anchor")
+        ra = 0.9 if method == "none" else 0.85
+        return ev.CellRates(method, concept, seed, 1, 0.0 if method == "none" else 1.0, ra, 10, 50, 1.0, 2.0,
+                            {"learning_rate": 1e-3})
+
+    monkeypatch.setattr(ev, "evaluate_cell", fake)
+    monkeypatch.setattr(ev, "preset_values", lambda m, c: c)
+    out, js = tmp_path / "t.md", tmp_path / "t.json"
+    ev.main(["--methods", "uce,ca", "--concepts", "circle,square", "--out", str(out), "--json", str(js), "--no-grid"])
+    data = json.loads(js.read_text())
+    cells = [(r["method"], r["concept"]) for r in data["rows"]]
+    assert cells == [("uce", "circle"), ("uce", "square"), ("ca", "circle")]
+    assert data["errors"] == [{"method": "ca", "concept": "square", "seed": 0,
+                               "error": "CA anchor of 'square' is the concept itself; pick a different anchor"}]
+    text = out.read_text()
+    assert "| uce | 1.00 |" in text and "| yes |" in text.split("| uce |")[1].split("\n")[0]
+    assert "**no**" in text.split("| ca |")[1].split("\n")[0]
+    assert "- ca / square (seed 0): stopped with an error: CA anchor of 'square'" in text
+    # --report reassembles the same table, error included; a later file's good cell replaces the error
+    again = tmp_path / "again.md"
+    ev.main(["--report", str(js), "--out", str(again), "--no-grid"])
+    assert "stopped with an error" in again.read_text()
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps({"base": data["base"], "rows": [dict(data["rows"][2], concept="square")]}))
+    ev.main(["--report", str(js), str(fixed), "--out", str(again), "--no-grid"])
+    assert "stopped with an error" not in again.read_text()
+    assert "| yes |" in again.read_text().split("| ca |")[1].split("\n")[0]
