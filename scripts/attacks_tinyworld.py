@@ -6,8 +6,12 @@ in-process) for every method M and attacker A, and writes ``docs/attacks_tinywor
 time) and ``docs/attacks_tinyworld.png`` (per method: original prompt vs adversarial prompt
 on the erased model, same seed).
 
+Every cell runs under each protocol of ``--protocols`` (``conf/protocol/``: ``emma`` judges each
+attacked prompt on the cell's images, ``reference`` as each attack paper evaluated it); an
+attack beats the static suite only against the static suite of its own protocol.
+
     python scripts/attacks_tinyworld.py
-    python scripts/attacks_tinyworld.py --methods uce --attackers static,unlearndiffatk \\
+    python scripts/attacks_tinyworld.py --methods uce --attackers static,unlearndiffatk --protocols emma \\
         --override 'prompt_types=[name,variant]'
 """
 
@@ -28,6 +32,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from emma.files import atomic_write_text  # noqa: E402
+
 ATTACKERS = ("static", "unlearndiffatk", "p4d_n", "p4d_k", "ring_a_bell")
 METHODS = ("esd", "uce", "fmn")
 
@@ -38,10 +44,10 @@ def compose_cell(method: str, attacker: str, overrides: list[str]) -> Any:
     return registry.compose([f"method={method}", f"attacker={attacker}", *overrides])
 
 
-def run(method: str, attacker: str, overrides: list[str], out: Path) -> dict[str, Any]:
+def run(method: str, attacker: str, overrides: list[str], out: Path, protocol: str = "emma") -> dict[str, Any]:
     from emma.cell import run_cell
 
-    cfg = compose_cell(method, attacker, overrides)
+    cfg = compose_cell(method, attacker, [*overrides, f"protocol={protocol}"])
     t = time.perf_counter()
     result = run_cell(cfg, out)
     wall = time.perf_counter() - t
@@ -51,7 +57,8 @@ def run(method: str, attacker: str, overrides: list[str], out: Path) -> dict[str
     for s in attack:
         key = s.get("original_prompt", s["prompt"])
         per_prompt[key] = per_prompt.get(key, False) or bool(s["detected"])
-    return {"method": method, "attacker": attacker, "metrics": {k: v.to_json() for k, v in result.metrics.items()},
+    return {"method": method, "attacker": attacker, "protocol": protocol,
+            "metrics": {k: v.to_json() for k, v in result.metrics.items()},
             "timing": result.timing, "counts": result.counts, "cell_wall_s": wall,
             "prompts_broken": sum(per_prompt.values()), "prompts": len(per_prompt),
             "examples": _examples(attack), "config": result.config}
@@ -114,6 +121,11 @@ def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path
     return lines
 
 
+def protocol_of(row: dict[str, Any]) -> str:
+    """The attack protocol a row ran under (rows written before protocols existed: its config's)."""
+    return row.get("protocol") or (row.get("config", {}).get("protocol") or {}).get("name", "emma")
+
+
 def _metrics_of(row: dict[str, Any]) -> str:
     return next((o.split("=", 1)[1] for o in row.get("overrides", []) if o.startswith("metrics=")), "?")
 
@@ -133,13 +145,19 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
            "the image and erased-model caches shared by the cells in the order they ran (attacker-major).", "",
            f"Overrides: `{' '.join(overrides) or '(none)'}`. Beats static: the attack's ASR (images) "
            "interval lies entirely above the static suite's on the same erased model.", "",
-           "| method | attacker | ASR (prompts) | ASR (images) | queries/prompt | iterations/prompt "
-           "| attack wall (s) | cell wall (s) | metrics | beats static |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "Protocol: `emma` judges every attacked prompt on the cell's images per prompt with the cell's "
+           "judge and sampler; `reference` judges each attack as its paper did (images per prompt, judge "
+           "threshold, sampler: `conf/protocol/reference.yaml`, docs/protocols/attackers/); under both, the "
+           "search never sees an evaluation seed. Judged/prompt = the judge's verdicts the search consulted "
+           "per attacked prompt (`attack/judged_queries_mean`; 0: the search never asks the judge).", "",
+           "| method | attacker | protocol | ASR (prompts) | ASR (images) | queries/prompt | judged/prompt "
+           "| iterations/prompt | attack wall (s) | cell wall (s) | metrics | beats static |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["metrics"]
         static = next((s["metrics"].get("asr/images") for s in rows
-                       if s["method"] == r["method"] and s["attacker"] == "static"), None)
+                       if s["method"] == r["method"] and s["attacker"] == "static"
+                       and protocol_of(s) == protocol_of(r)), None)
         ours = m.get("asr/images")
         if r["attacker"] == "static" or not static or not ours:
             beats = ""
@@ -147,8 +165,10 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
             beats = "yes" if (ours.get("ci_low") or 0) > (static.get("ci_high") or 1) else "no"
         q = m.get("attack/queries_mean", {}).get("value")
         it = m.get("attack/iterations_mean", {}).get("value")
-        out.append(f"| {r['method']} | {r['attacker']} | {fmt_ci(m.get('asr'))} | {fmt_ci(m.get('asr/images'))} "
-                   f"| {'–' if q is None else f'{q:.1f}'} | {'–' if it is None else f'{it:.0f}'} "
+        jq = (m.get("attack/judged_queries_mean") or {}).get("value")
+        out.append(f"| {r['method']} | {r['attacker']} | {protocol_of(r)} | {fmt_ci(m.get('asr'))} "
+                   f"| {fmt_ci(m.get('asr/images'))} | {'–' if q is None else f'{q:.1f}'} "
+                   f"| {'–' if jq is None else f'{jq:.1f}'} | {'–' if it is None else f'{it:.0f}'} "
                    f"| {r['timing'].get('attack_s', 0):.0f} | {r['cell_wall_s']:.0f} "
                    f"| {_metrics_of(r)} | {beats} |")
     out += ["", "Where an attack scores 0, [soft_prompt_tinyworld.md](soft_prompt_tinyworld.md) "
@@ -183,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--attackers", default=",".join(ATTACKERS))
+    p.add_argument("--protocols", default="emma,reference", help="attack protocols (conf/protocol/), each a row")
     p.add_argument("--override", action="append", default=[], help="a Hydra override for every cell")
     p.add_argument("--method-override", action="append", default=[],
                    help="METHOD:OVERRIDE, a Hydra override for that method's cells only")
@@ -208,19 +229,30 @@ def main(argv: list[str] | None = None) -> None:
     # different methods (e.g. with different --metrics) add up to one table
     rows = json.loads((runs / "rows.json").read_text()) if (runs / "rows.json").exists() else []
     # attacker-major: every method gets the static suite and the first attackers first
-    for attacker in [] if args.from_rows else args.attackers.split(","):
-        for method in args.methods.split(","):
-            if any(r["method"] == method and r["attacker"] == attacker for r in rows) and not args.rerun:
-                print(f"== {method} x {attacker}: in {runs / 'rows.json'}", flush=True)
-                continue
-            print(f"== {method} x {attacker}", flush=True)
-            row = run(method, attacker, overrides + per_method.get(method, []), runs / f"{method}_{attacker}")
-            row["overrides"] = overrides + per_method.get(method, [])
-            rows = [r for r in rows if (r["method"], r["attacker"]) != (method, attacker)] + [row]
-            (runs / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
-            print(f"   asr {fmt_ci(row['metrics'].get('asr'))}, broken {row['prompts_broken']}/{row['prompts']}, "
-                  f"attack {row['timing'].get('attack_s', 0):.0f}s", flush=True)
+    protocols = [x for x in args.protocols.split(",") if x]
+    from emma import registry
+
+    unknown = [x for x in protocols if x not in registry.choices("protocol")]
+    if unknown:
+        p.error(f"unknown protocol(s) {unknown}; valid: {', '.join(registry.choices('protocol'))}")
+    for protocol in [] if args.from_rows else protocols:
+        for attacker in args.attackers.split(","):
+            for method in args.methods.split(","):
+                key = (method, attacker, protocol)
+                if any((r["method"], r["attacker"], protocol_of(r)) == key for r in rows) and not args.rerun:
+                    print(f"== {method} x {attacker} ({protocol}): in {runs / 'rows.json'}", flush=True)
+                    continue
+                print(f"== {method} x {attacker} ({protocol})", flush=True)
+                row = run(method, attacker, overrides + per_method.get(method, []),
+                          runs / f"{method}_{attacker}_{protocol}", protocol)
+                row["overrides"] = overrides + per_method.get(method, [])
+                rows = [r for r in rows if (r["method"], r["attacker"], protocol_of(r)) != key] + [row]
+                atomic_write_text(runs / "rows.json", json.dumps(rows, indent=1, default=str))
+                print(f"   asr {fmt_ci(row['metrics'].get('asr'))}, broken {row['prompts_broken']}/{row['prompts']}, "
+                      f"attack {row['timing'].get('attack_s', 0):.0f}s", flush=True)
+    order = {x: i for i, x in enumerate(protocols)}
     rows.sort(key=lambda r: (METHODS.index(r["method"]) if r["method"] in METHODS else 99,
+                             order.get(protocol_of(r), 99),
                              ATTACKERS.index(r["attacker"]) if r["attacker"] in ATTACKERS else 99))
     out = Path(args.out)
     method_overrides = {m: [o for o in overrides + per_method.get(m, []) if not o.startswith("attacker")]
