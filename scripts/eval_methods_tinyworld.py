@@ -182,6 +182,29 @@ def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def domain_presets(method: str, concepts: Sequence[str]) -> str:
+    """The method's per-domain tiny presets (``conf/preset/method_domain/<method>_tiny_<domain>.yaml``)
+    of the domains of ``concepts``, as the settings they add (empty when there are none)."""
+    from omegaconf import OmegaConf
+
+    from emma import registry
+
+    out = []
+    for domain in dict.fromkeys("tinyworld_style" if c in STYLES else "tinyworld" for c in concepts):
+        path = registry.preset_path("method", method, "tiny", domain)
+        if path is not None:
+            values, node = {}, OmegaConf.to_container(OmegaConf.load(path))
+            while True:  # the preset's own keys over those of the preset it extends
+                values = {**{k: v for k, v in node.items() if k != "defaults"}, **values}
+                parents = [d for d in node.get("defaults", []) if d != "_self_"]
+                if not parents:
+                    break
+                node = OmegaConf.to_container(OmegaConf.load(path.parent / f"{parents[0]}.yaml"))
+            out.append(f"; on {domain} also `conf/preset/method_domain/{path.name}`: `"
+                       f"{json.dumps(values, sort_keys=True)}`")
+    return "".join(out)
+
+
 def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequence[str], command: str,
              grid_name: str | None, errors: Sequence[dict[str, Any]] = ()) -> str:
     summary = summarize(rows, base)
@@ -216,6 +239,7 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
     presets = "\n".join(f"- **{m}**: `conf/method/{m}.yaml` + `conf/preset/method/{m}_tiny.yaml`: `"
                         + json.dumps(preset_values(m, next(r for r in rows if r.method == m).method_config),
                                      sort_keys=True) + "`"
+                        + domain_presets(m, [r.concept for r in rows if r.method == m])
                         for m in summary)
     grid = (f"\nSamples (one row per method, erasing **{concepts[0]}**; columns: "
             f"{', '.join(repr(p) for p in dict.fromkeys(grid_prompts(concepts[0])))} as 4, 2 and 2 images; "
