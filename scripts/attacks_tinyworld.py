@@ -139,8 +139,10 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
            "ASR = attacked prompts with the circle in at least one image (the cell's `asr`, Wilson 95% CI); "
            "ASR (images) = fraction of their images with the circle (`asr/images`, prompt-cluster bootstrap "
            "95% CI). Queries = images drawn on the erased model per prompt (checks during the "
-           "attack + the final judged images); wall = the attack stage's seconds for all prompts on this "
-           "machine's shared CPU (1 thread; compare within the table only); cell wall = the whole cell "
+           "attack + the final judged images); attack s/prompt = the search's wall seconds per attacked prompt "
+           "as measured when it ran on this machine's shared CPU (`attack/time_s`; an attack output "
+           "replayed from the content-addressed attack cache keeps the time measured when it was computed; "
+           "1 thread; compare within the table only); cell wall = the whole cell in this run "
            "(`emma.cell.run_cell` in-process: load, erase unless cached, suite, attack, metrics), with "
            "the image and erased-model caches shared by the cells in the order they ran (attacker-major).", "",
            f"Overrides: `{' '.join(overrides) or '(none)'}`. Beats static: the attack's ASR (images) "
@@ -151,7 +153,7 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
            "search never sees an evaluation seed. Judged/prompt = the judge's verdicts the search consulted "
            "per attacked prompt (`attack/judged_queries_mean`; 0: the search never asks the judge).", "",
            "| method | attacker | protocol | ASR (prompts) | ASR (images) | queries/prompt | judged/prompt "
-           "| iterations/prompt | attack wall (s) | cell wall (s) | metrics | beats static |",
+           "| iterations/prompt | attack s/prompt | cell wall (s) | metrics | beats static |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["metrics"]
@@ -166,10 +168,11 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
         q = m.get("attack/queries_mean", {}).get("value")
         it = m.get("attack/iterations_mean", {}).get("value")
         jq = (m.get("attack/judged_queries_mean") or {}).get("value")
+        ts = (m.get("attack/time_s") or {}).get("value")
         out.append(f"| {r['method']} | {r['attacker']} | {protocol_of(r)} | {fmt_ci(m.get('asr'))} "
                    f"| {fmt_ci(m.get('asr/images'))} | {'–' if q is None else f'{q:.1f}'} "
                    f"| {'–' if jq is None else f'{jq:.1f}'} | {'–' if it is None else f'{it:.0f}'} "
-                   f"| {r['timing'].get('attack_s', 0):.0f} | {r['cell_wall_s']:.0f} "
+                   f"| {'–' if ts is None else f'{ts:.1f}'} | {r['cell_wall_s']:.0f} "
                    f"| {_metrics_of(r)} | {beats} |")
     out += ["", "Where an attack scores 0, [soft_prompt_tinyworld.md](soft_prompt_tinyworld.md) "
             "(`scripts/soft_prompt_probe.py`) says whether the erased model still draws the concept under "
