@@ -149,6 +149,18 @@ by the probe's score, so the probe measures a model selected on it (its words we
 captioned or fitted; the control and random words only judged). It exists to make the
 harness's numbers mean something offline; it says nothing about how a method behaves on
 Stable Diffusion.
+
+Erasure here is semantic, not lexical. The text encoder (64 dimensions) maps every phrasing of
+a shape to nearly one context: over all 77 positions, "an image of a circle" has cosine 0.98
+with "a round shape with no corners", 0.97 with a long description and 0.99 with "an image of
+a coin" (a word it never saw), against 0.90 with the square's name and description. A cross-attention
+edit that removes the circle's name therefore removes its synonyms, descriptions and unseen
+neighbours with it: ESD-x erasing the circle (`python -m emma.run method=esd concept=circle`)
+scores EA 1.00 on the name, variant, short and long prompts alike, and weaker settings (fewer
+iterations, a lower learning rate) lower the name and the descriptions together. EMMA's
+finding that erased models still draw a concept from its descriptions is therefore not
+reproduced on this world; the adaptive attacks, which search prompts far from the
+descriptions, are (docs/attacks_tinyworld.md).
 """
 
 
