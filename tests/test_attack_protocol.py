@@ -22,6 +22,7 @@ tiny = pytest.mark.skipif(not TINYWORLD_DIR.exists(), reason="tiny-world assets 
 # UCE erasing circle alone; UnlearnDiffAtk at a plumbing budget (2 timesteps x 2 steps, 2 checks)
 CELL = ["method=uce", "prompt_types=[name,variant]", "metrics=rates_only", "paths.reuse_results=false",
         "method.preserve_concepts.tinyworld=[]", "method.technique=replace", "method.erase_scale=1.0",
+        "method.preserve_scale=null",
         "attacker=unlearndiffatk", "attacker.timesteps=2", "attacker.iterations_per_timestep=2",
         "attacker.timestep_batch=1", "attacker.reference_candidates=2", "images_per_prompt=3"]
 

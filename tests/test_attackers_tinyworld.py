@@ -38,8 +38,10 @@ def compose(*overrides: str):
 # UCE erasing circle alone (no preserved concepts): against the tiny-world preset, which
 # preserves the other seven shapes, UnlearnDiffAtk found 0 of 20 images here (name + variant
 # prompts, 4 images each) and 4 of 200 on all 20 EA prompts (docs/attacks_tinyworld.md).
-# The technique and erase scale are pinned, so that a retuned UCE preset does not change the model.
-ERASED = ["method.preserve_concepts.tinyworld=[]", "method.technique=replace", "method.erase_scale=1.0"]
+# The technique and the erase and preserve scales are pinned, so that a retuned UCE preset does
+# not change the model.
+ERASED = ["method.preserve_concepts.tinyworld=[]", "method.technique=replace", "method.erase_scale=1.0",
+          "method.preserve_scale=null"]
 
 
 @pytest.mark.parametrize("attacker", [
