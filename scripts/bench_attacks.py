@@ -12,7 +12,7 @@ images). Prints and writes (``--out``) wall times, their ratio, and ASR of both 
 
     python scripts/bench_attacks.py --method uce --timesteps 10 --iterations 10 --images-per-prompt 4 \
         --vocabulary domain --timestep-batch 1,2,5 --override 'method.preserve_concepts.tinyworld=[]' \
-        --override method.technique=replace --override method.erase_scale=1.0
+        --override method.technique=replace --override method.erase_scale=1.0 --override method.preserve_scale=null
 
 (UCE erasing the circle alone, as in tests/test_attackers_tinyworld.py: a model the attack can
 break, so that the ASR comparison is not 0 against 0; README.md has the figures of one run.)

@@ -158,8 +158,13 @@ def test_every_preset_names_a_component_and_only_its_keys(path):
     assert set(preset) - {"defaults"} <= known, f"{path.name}: keys not in {group}/{choice}: {set(preset) - known}"
     model = {"tiny": "tiny_random", "sd": "sd14", "sdxl": "sdxl"}[scale]
     cfg = cfg_with(f"model={model}", f"{group}={choice}")
+    # a per-domain preset of the model's default domain merges after this one: its keys are its own
+    from emma import registry
+
+    domain_preset = registry.preset_path(group, choice, scale, str(cfg.domain.name))
+    by_domain = set(OmegaConf.load(domain_preset)) if domain_preset is not None else set()
     for key, value in preset.items():
-        if key == "defaults" or OmegaConf.is_interpolation(preset, key):
+        if key == "defaults" or key in by_domain or OmegaConf.is_interpolation(preset, key):
             continue
         if OmegaConf.is_dict(value):  # a per-domain table: the preset's entries merge into the paper's
             for sub in value:
@@ -169,12 +174,44 @@ def test_every_preset_names_a_component_and_only_its_keys(path):
             assert cfg[group][key] == value, (path.name, key)
 
 
+@pytest.mark.parametrize("path", sorted((CONF / "preset" / "method_domain").glob("*_tiny_*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_tiny_domain_preset_changes_only_its_method_keys_and_is_what_its_domain_composes(path):
+    """A tiny per-domain preset ``<method>_tiny_<domain>.yaml`` belongs to an existing method and
+    domain, changes only keys of the method, and its values (its parent's included) are what a
+    tiny-world cell of that domain composes."""
+    from omegaconf import OmegaConf
+
+    method, domain = path.stem.split("_tiny_")
+    assert (CONF / "method" / f"{method}.yaml").exists(), f"{path.name}: no conf/method/{method}.yaml"
+    assert (CONF / "domain" / f"{domain}.yaml").exists(), f"{path.name}: no conf/domain/{domain}.yaml"
+    assert path.read_text().startswith("# @package method"), f"{path.name} must start with '# @package method'"
+    values, node = {}, OmegaConf.load(path)
+    while True:
+        values = {**{k: v for k, v in node.items() if k != "defaults"}, **values}
+        parents = [d for d in node.get("defaults", []) if d != "_self_"]
+        if not parents:
+            break
+        node = OmegaConf.load(path.parent / f"{parents[0]}.yaml")
+    assert values, f"{path.name} sets nothing"
+    component = OmegaConf.load(CONF / "method" / f"{method}.yaml")
+    known = set(component) | {k for d in component.get("defaults", []) if isinstance(d, str) and d != "_self_"
+                              for k in OmegaConf.load(CONF / "method" / f"{d}.yaml")}
+    assert set(values) <= known, f"{path.name}: keys not in method/{method}: {set(values) - known}"
+    cfg = cfg_with(f"method={method}", f"domain={domain}")
+    for key, value in values.items():
+        assert cfg.method[key] == value, (path.name, key)
+    other = "tinyworld_style" if domain == "tinyworld" else "tinyworld"
+    elsewhere = cfg_with(f"method={method}", f"domain={other}")
+    assert any(elsewhere.method[k] != v for k, v in values.items()), f"{path.name} changes nothing for {domain}"
+
+
 def test_an_experiment_sets_top_level_values_and_the_command_line_still_wins():
     """experiment=tinyworld_full sizes its cells (prompt types, images per prompt, threads):
     config.yaml's own nulls must not reset them; an explicit override beats the experiment."""
     cfg = cfg_with("experiment=tinyworld_full", "method=esd", "attacker=p4d_n")
     assert (list(cfg.prompt_types), cfg.images_per_prompt, cfg.threads) == (["name", "variant", "random"], 2, 1)
-    assert cfg.attacker.iterations == 200 and cfg.method.iterations == 200  # tiny presets still apply
+    assert cfg.attacker.iterations == 200 and cfg.method.iterations == 300  # tiny presets still apply
     assert cfg_with("experiment=tinyworld_full", "images_per_prompt=5").images_per_prompt == 5
     assert cfg_with("method=esd").prompt_types is None
 
