@@ -96,7 +96,7 @@ def test_presets_follow_the_model():
     line overrides either."""
     tiny = ev.compose(["method=esd"]).method
     sd = ev.compose(["method=esd", "model=sd14"]).method
-    assert (tiny.iterations, tiny.learning_rate) == (200, 8.0e-4)
+    assert (tiny.iterations, tiny.learning_rate) == (300, 6.0e-4)
     assert (sd.iterations, sd.learning_rate) == (1000, 1.0e-5)
     assert ev.compose(["method=esd", "method.iterations=7"]).method.iterations == 7
 
