@@ -234,6 +234,8 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
               for e in errors]
     failing = "\n".join(below) if below else "None: every cell passes."
     seeds = sorted({r.seed for r in rows})
+    absent = [m for m in METHODS if m not in summary]
+    missing = (f"\nNot in this table (no cell measured for it): {', '.join(absent)}.\n" if absent else "")
     n_name = rows[0].n_name if rows else 0
     n_random = rows[0].n_random if rows else 0
     presets = "\n".join(f"- **{m}**: `conf/method/{m}.yaml` + `conf/preset/method/{m}_tiny.yaml`: `"
@@ -260,7 +262,7 @@ concept. Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `era
 ## Summary over {len(concepts)} concepts
 
 {chr(10).join(lines)}
-
+{missing}
 ## Cells below the bar (EA name >= 0.8, RA random >= 0.8 x base)
 
 {failing}

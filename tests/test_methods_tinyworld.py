@@ -198,6 +198,7 @@ def test_a_cell_that_stops_with_an_error_is_a_failing_row_of_the_report(tmp_path
     assert "| uce | 1.00 |" in text and "| yes |" in text.split("| uce |")[1].split("\n")[0]
     assert "**no**" in text.split("| ca |")[1].split("\n")[0]
     assert "- ca / square (seed 0): stopped with an error: CA anchor of 'square'" in text
+    assert "Not in this table (no cell measured for it): esd, esd_u, esd_100," in text
     # --report reassembles the same table, error included; a later file's good cell replaces the error
     again = tmp_path / "again.md"
     ev.main(["--report", str(js), "--out", str(again), "--no-grid"])
