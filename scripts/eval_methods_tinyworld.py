@@ -211,20 +211,27 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
     for e in errors:  # a method with a cell that could not run does not pass
         if e["method"] in summary:
             summary[e["method"]]["passes"] = False
-    head = ("| method | EA name mean | EA name worst | RA random mean | RA random worst (÷ base) | all pass "
-            "| max unlearning (s) |")
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| method | cells | EA name mean | EA name worst | RA random mean | RA random worst (÷ base) "
+            "| cells passing | max unlearning (s) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for method, s in summary.items():
-        lines.append(f"| {method} | {s['ea_mean']:.2f} | {s['ea_worst']:.2f} ({s['ea_worst_concept']}) | "
+        rs = [r for r in rows if r.method == method]
+        ok = sum(r.ea_name >= 0.8 and r.ra_random >= 0.8 * base[r.concept].ra_random for r in rs)
+        lines.append(f"| {method} | {s['cells']} | {s['ea_mean']:.2f} | "
+                     f"{s['ea_worst']:.2f} ({s['ea_worst_concept']}) | "
                      f"{s['ra_mean']:.2f} | {s['ra_worst']:.2f} ({s['ra_worst_concept']}, {s['ra_rel_worst']:.2f}) | "
-                     f"{'yes' if s['passes'] else '**no**'} | {s['unlearning_max_s']:.1f} |")
+                     f"{ok} of {s['cells']}{'' if s['passes'] else ' (**no**)'} | {s['unlearning_max_s']:.1f} |")
     per = ["| method | " + " | ".join(concepts) + " |", "|---|" + "---|" * len(concepts)]
     per.append("| base (none) | " + " | ".join(f"{base[c].ea_name:.2f} / {base[c].ra_random:.2f}" for c in concepts)
                + " |")
-    for method in summary:
-        cells = {r.concept: r for r in rows if r.method == method}
+    for method in summary:  # the worst seed of each concept: lowest EA / lowest RA
+        by: dict[str, list[CellRates]] = {}
+        for r in rows:
+            if r.method == method:
+                by.setdefault(r.concept, []).append(r)
         per.append(f"| {method} | " + " | ".join(
-            f"{cells[c].ea_name:.2f} / {cells[c].ra_random:.2f}" if c in cells else "–" for c in concepts) + " |")
+            f"{min(r.ea_name for r in by[c]):.2f} / {min(r.ra_random for r in by[c]):.2f}" if c in by else "–"
+            for c in concepts) + " |")
     below = [f"- {r.method} / {r.concept}: "
              + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if r.ea_name < 0.8 else "",
                                      f"RA {r.ra_random:.2f} < 0.8 x {base[r.concept].ra_random:.2f}"
@@ -267,7 +274,7 @@ concept. Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `era
 
 {failing}
 
-## Per concept (EA name / RA random)
+## Per concept (EA name / RA random; with several seeds, the lowest of each)
 
 {chr(10).join(per)}
 {grid}

@@ -195,8 +195,8 @@ def test_a_cell_that_stops_with_an_error_is_a_failing_row_of_the_report(tmp_path
     assert data["errors"] == [{"method": "ca", "concept": "square", "seed": 0,
                                "error": "CA anchor of 'square' is the concept itself; pick a different anchor"}]
     text = out.read_text()
-    assert "| uce | 1.00 |" in text and "| yes |" in text.split("| uce |")[1].split("\n")[0]
-    assert "**no**" in text.split("| ca |")[1].split("\n")[0]
+    assert "| uce | 2 | 1.00 |" in text and "| 2 of 2 |" in text.split("| uce |")[1].split("\n")[0]
+    assert "| 1 of 1 (**no**) |" in text.split("| ca |")[1].split("\n")[0]  # its second cell stopped
     assert "- ca / square (seed 0): stopped with an error: CA anchor of 'square'" in text
     assert "Not in this table (no cell measured for it): esd, esd_u, esd_100," in text
     # --report reassembles the same table, error included; a later file's good cell replaces the error
@@ -207,4 +207,15 @@ def test_a_cell_that_stops_with_an_error_is_a_failing_row_of_the_report(tmp_path
     fixed.write_text(json.dumps({"base": data["base"], "rows": [dict(data["rows"][2], concept="square")]}))
     ev.main(["--report", str(js), str(fixed), "--out", str(again), "--no-grid"])
     assert "stopped with an error" not in again.read_text()
-    assert "| yes |" in again.read_text().split("| ca |")[1].split("\n")[0]
+    assert "| 2 of 2 |" in again.read_text().split("| ca |")[1].split("\n")[0]
+
+
+def test_the_per_concept_table_shows_the_worst_seed_and_the_summary_counts_passing_cells():
+    def row(method, seed, ea, ra):
+        return ev.CellRates(method, "circle", seed, 1, ea, ra, 10, 50, 1.0, 2.0, {})
+
+    base = {"circle": row("none", 0, 0.0, 1.0)}
+    rows = [row("uce", 0, 1.0, 0.70), row("uce", 1, 0.7, 0.95), row("uce", 2, 0.9, 0.90)]
+    text = ev.markdown(rows, base, ["circle"], "cmd", None)
+    assert "| uce | 0.70 / 0.70 |" in text  # lowest EA (seed 1) and lowest RA (seed 0)
+    assert "| uce | 3 | 0.87 |" in text and "| 1 of 3 (**no**) |" in text
