@@ -232,7 +232,7 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
         per.append(f"| {method} | " + " | ".join(
             f"{min(r.ea_name for r in by[c]):.2f} / {min(r.ra_random for r in by[c]):.2f}" if c in by else "–"
             for c in concepts) + " |")
-    below = [f"- {r.method} / {r.concept}: "
+    below = [f"- {r.method} / {r.concept} (seed {r.seed}): "
              + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if r.ea_name < 0.8 else "",
                                      f"RA {r.ra_random:.2f} < 0.8 x {base[r.concept].ra_random:.2f}"
                                      if r.ra_random < 0.8 * base[r.concept].ra_random else "") if x)
