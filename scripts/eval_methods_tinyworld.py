@@ -62,6 +62,21 @@ class CellRates:
     method_config: dict[str, Any]
 
 
+class Bases(dict):
+    """The base model's cells, keyed by (concept, seed): a cell is compared with the base at its
+    own seed (the seed moves the images of both); files written before bases had seeds give
+    one seed per concept, which then stands for every seed."""
+
+    def of(self, r: CellRates) -> CellRates:
+        return self.get((r.concept, r.seed)) or self.first(r.concept)
+
+    def first(self, concept: str) -> CellRates:
+        return self[min(k for k in self if k[0] == concept)]
+
+    def concepts(self) -> list[str]:
+        return list(dict.fromkeys(c for c, _ in self))
+
+
 def concept_overrides(concept: str) -> list[str]:
     """The overrides that pick ``concept``: a style of the tiny world is a concept of the
     ``tinyworld_style`` domain, a shape one of the default ``tinyworld`` domain."""
@@ -145,23 +160,23 @@ def save_grid(rows: list[tuple[str, torch.Tensor]], path: Path, scale: int = 3) 
 
 
 # ---------------------------------------------------------------------------- report
-def summarize(rows: list[CellRates], base: dict[str, CellRates]) -> dict[str, dict[str, Any]]:
+def summarize(rows: list[CellRates], base: Bases) -> dict[str, dict[str, Any]]:
     """Per method: mean and worst EA name, mean and worst RA random relative to the base
     model's RA on the same concept, the slowest unlearning, and whether every cell passes
     EA >= 0.8 and RA >= 0.8 x base."""
     out: dict[str, dict[str, Any]] = {}
     for method in dict.fromkeys(r.method for r in rows):
         rs = [r for r in rows if r.method == method]
-        rel = [r.ra_random / base[r.concept].ra_random for r in rs]
+        rel = [r.ra_random / base.of(r).ra_random for r in rs]
         worst_ea = min(rs, key=lambda r: r.ea_name)
-        worst_ra = min(rs, key=lambda r: r.ra_random / base[r.concept].ra_random)
+        worst_ra = min(rs, key=lambda r: r.ra_random / base.of(r).ra_random)
         out[method] = {
             "ea_mean": sum(r.ea_name for r in rs) / len(rs), "ea_worst": worst_ea.ea_name,
             "ea_worst_concept": worst_ea.concept,
             "ra_mean": sum(r.ra_random for r in rs) / len(rs), "ra_worst": worst_ra.ra_random,
             "ra_worst_concept": worst_ra.concept, "ra_rel_worst": min(rel),
             "unlearning_max_s": max(r.unlearning_s for r in rs),
-            "passes": all(r.ea_name >= 0.8 and r.ra_random >= 0.8 * base[r.concept].ra_random for r in rs),
+            "passes": all(r.ea_name >= 0.8 and r.ra_random >= 0.8 * base.of(r).ra_random for r in rs),
             "cells": len(rs),
         }
     return out
@@ -205,7 +220,7 @@ def domain_presets(method: str, concepts: Sequence[str]) -> str:
     return "".join(out)
 
 
-def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequence[str], command: str,
+def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], command: str,
              grid_name: str | None, errors: Sequence[dict[str, Any]] = ()) -> str:
     summary = summarize(rows, base)
     for e in errors:  # a method with a cell that could not run does not pass
@@ -216,14 +231,14 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for method, s in summary.items():
         rs = [r for r in rows if r.method == method]
-        ok = sum(r.ea_name >= 0.8 and r.ra_random >= 0.8 * base[r.concept].ra_random for r in rs)
+        ok = sum(r.ea_name >= 0.8 and r.ra_random >= 0.8 * base.of(r).ra_random for r in rs)
         lines.append(f"| {method} | {s['cells']} | {s['ea_mean']:.2f} | "
                      f"{s['ea_worst']:.2f} ({s['ea_worst_concept']}) | "
                      f"{s['ra_mean']:.2f} | {s['ra_worst']:.2f} ({s['ra_worst_concept']}, {s['ra_rel_worst']:.2f}) | "
                      f"{ok} of {s['cells']}{'' if s['passes'] else ' (**no**)'} | {s['unlearning_max_s']:.1f} |")
     per = ["| method | " + " | ".join(concepts) + " |", "|---|" + "---|" * len(concepts)]
-    per.append("| base (none) | " + " | ".join(f"{base[c].ea_name:.2f} / {base[c].ra_random:.2f}" for c in concepts)
-               + " |")
+    per.append("| base (none), first seed | " + " | ".join(
+        f"{base.first(c).ea_name:.2f} / {base.first(c).ra_random:.2f}" for c in concepts) + " |")
     for method in summary:  # the worst seed of each concept: lowest EA / lowest RA
         by: dict[str, list[CellRates]] = {}
         for r in rows:
@@ -234,9 +249,9 @@ def markdown(rows: list[CellRates], base: dict[str, CellRates], concepts: Sequen
             for c in concepts) + " |")
     below = [f"- {r.method} / {r.concept} (seed {r.seed}): "
              + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if r.ea_name < 0.8 else "",
-                                     f"RA {r.ra_random:.2f} < 0.8 x {base[r.concept].ra_random:.2f}"
-                                     if r.ra_random < 0.8 * base[r.concept].ra_random else "") if x)
-             for r in rows if r.ea_name < 0.8 or r.ra_random < 0.8 * base[r.concept].ra_random]
+                                     f"RA {r.ra_random:.2f} < 0.8 x {base.of(r).ra_random:.2f}"
+                                     if r.ra_random < 0.8 * base.of(r).ra_random else "") if x)
+             for r in rows if r.ea_name < 0.8 or r.ra_random < 0.8 * base.of(r).ra_random]
     below += [f"- {e['method']} / {e['concept']} (seed {e['seed']}): stopped with an error: {e['error']}"
               for e in errors]
     failing = "\n".join(below) if below else "None: every cell passes."
@@ -318,10 +333,10 @@ def main(argv: list[str] | None = None) -> None:
     concepts = [c for c in args.concepts.split(",") if c]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.report:
-        base, cells, failed = {}, {}, {}
+        base, cells, failed = Bases(), {}, {}
         for path in args.report:  # a later file's cell replaces an earlier one's
             data = json.loads(path.read_text())
-            base.update({b["concept"]: CellRates(**b) for b in data["base"]})
+            base.update({(b["concept"], b["seed"]): CellRates(**b) for b in data["base"]})
             for r in data["rows"]:
                 cells[(r["method"], r["concept"], r["seed"])] = CellRates(**r)
                 failed.pop((r["method"], r["concept"], r["seed"]), None)
@@ -333,12 +348,13 @@ def main(argv: list[str] | None = None) -> None:
         shape = {c: i for i, c in enumerate(SHAPES + STYLES)}
         rows.sort(key=lambda r: (order.get(r.method, len(order)), shape.get(r.concept, len(shape))))
         methods = list(dict.fromkeys(r.method for r in rows))
-        concepts = [c for c in SHAPES + STYLES if c in base] + [c for c in base if c not in SHAPES + STYLES]
+        known = base.concepts()
+        concepts = [c for c in SHAPES + STYLES if c in known] + [c for c in known if c not in SHAPES + STYLES]
         write_report(args, argv, rows, base, methods, concepts, seeds, list(failed.values()))
         return
     kw = dict(images_per_prompt=args.images_per_prompt, cache_dir=args.cache, threads=args.threads)
-    base = {c: evaluate_cell("none", c, seed=seeds[0], **kw) for c in concepts}
-    print("base: " + ", ".join(f"{c} {r.ea_name:.2f}/{r.ra_random:.2f}" for c, r in base.items()), flush=True)
+    base = Bases({(c, s): evaluate_cell("none", c, seed=s, **kw) for c in concepts for s in seeds})
+    print("base: " + ", ".join(f"{c}/{s} {r.ea_name:.2f}/{r.ra_random:.2f}" for (c, s), r in base.items()), flush=True)
     from emma.errors import EmmaError
 
     rows: list[CellRates] = []
@@ -354,9 +370,9 @@ def main(argv: list[str] | None = None) -> None:
                     if args.json:
                         write_json(args.json, base, rows, errors)
                     continue
-                ok = r.ea_name >= 0.8 and r.ra_random >= 0.8 * base[concept].ra_random
+                ok = r.ea_name >= 0.8 and r.ra_random >= 0.8 * base.of(r).ra_random
                 print(f"{method:>9} {concept:>9} seed {seed}: EA name {r.ea_name:.2f}  RA random {r.ra_random:.2f} "
-                      f"(base {base[concept].ra_random:.2f})  unlearning {r.unlearning_s:.1f}s  "
+                      f"(base {base.of(r).ra_random:.2f})  unlearning {r.unlearning_s:.1f}s  "
                       f"cell {r.wall_s:.1f}s  {'ok' if ok else 'FAIL'}", flush=True)
                 rows.append(r)
                 if args.json:
@@ -364,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     write_report(args, argv, rows, base, methods, concepts, seeds, errors)
 
 
-def write_json(path: Path, base: dict[str, CellRates], rows: list[CellRates], errors: list[dict[str, Any]]) -> None:
+def write_json(path: Path, base: Bases, rows: list[CellRates], errors: list[dict[str, Any]]) -> None:
     """Every cell so far (and every cell that stopped with an error), written atomically."""
     from emma.files import atomic_write_text
 
@@ -373,7 +389,7 @@ def write_json(path: Path, base: dict[str, CellRates], rows: list[CellRates], er
 
 
 def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[CellRates],
-                 base: dict[str, CellRates], methods: list[str], concepts: list[str], seeds: list[int],
+                 base: Bases, methods: list[str], concepts: list[str], seeds: list[int],
                  errors: Sequence[dict[str, Any]] = ()) -> None:
     if str(args.out) == os.devnull:
         return

@@ -214,8 +214,12 @@ def test_the_per_concept_table_shows_the_worst_seed_and_the_summary_counts_passi
     def row(method, seed, ea, ra):
         return ev.CellRates(method, "circle", seed, 1, ea, ra, 10, 50, 1.0, 2.0, {})
 
-    base = {"circle": row("none", 0, 0.0, 1.0)}
-    rows = [row("uce", 0, 1.0, 0.70), row("uce", 1, 0.7, 0.95), row("uce", 2, 0.9, 0.90)]
+    base = ev.Bases({("circle", 0): row("none", 0, 0.0, 1.0), ("circle", 1): row("none", 1, 0.0, 1.0),
+                     ("circle", 2): row("none", 2, 0.0, 0.85)})
+    rows = [row("uce", 0, 1.0, 0.70), row("uce", 1, 0.7, 0.95), row("uce", 2, 0.9, 0.70)]
     text = ev.markdown(rows, base, ["circle"], "cmd", None)
-    assert "| uce | 0.70 / 0.70 |" in text  # lowest EA (seed 1) and lowest RA (seed 0)
+    assert "| uce | 0.70 / 0.70 |" in text  # lowest EA (seed 1) and lowest RA (seeds 0 and 2)
+    # each cell against the base at its own seed: seed 2's RA 0.70 passes against 0.85 (0.82 x base),
+    # seed 0's fails against 1.00, seed 1 fails on EA
     assert "| uce | 3 | 0.87 |" in text and "| 1 of 3 (**no**) |" in text
+    assert "- uce / circle (seed 0): RA 0.70 < 0.8 x 1.00" in text and "(seed 2)" not in text
