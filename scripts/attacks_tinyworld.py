@@ -121,6 +121,14 @@ def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path
     return lines
 
 
+def _above(ours: dict[str, Any] | None, static: dict[str, Any] | None) -> str:
+    """"yes" when the attack's interval lies entirely above the static suite's, "no" when not,
+    "–" when either is missing."""
+    if not ours or not static:
+        return "–"
+    return "yes" if (ours.get("ci_low") or 0) > (static.get("ci_high") or 1) else "no"
+
+
 def protocol_of(row: dict[str, Any]) -> str:
     """The attack protocol a row ran under (rows written before protocols existed: its config's)."""
     return row.get("protocol") or (row.get("config", {}).get("protocol") or {}).get("name", "emma")
@@ -145,26 +153,23 @@ def markdown(rows: list[dict[str, Any]], grid_lines: list[str], command: str, ov
            "1 thread; compare within the table only); cell wall = the whole cell in this run "
            "(`emma.cell.run_cell` in-process: load, erase unless cached, suite, attack, metrics), with "
            "the image and erased-model caches shared by the cells in the order they ran (attacker-major).", "",
-           f"Overrides: `{' '.join(overrides) or '(none)'}`. Beats static: the attack's ASR (images) "
-           "interval lies entirely above the static suite's on the same erased model.", "",
+           f"Overrides: `{' '.join(overrides) or '(none)'}`. Beats static (prompts / images): the attack's "
+           "ASR interval lies entirely above the static suite's on the same erased model, per attacked prompt "
+           "(`asr`) and per image (`asr/images`).", "",
            "Protocol: `emma` judges every attacked prompt on the cell's images per prompt with the cell's "
            "judge and sampler; `reference` judges each attack as its paper did (images per prompt, judge "
            "threshold, sampler: `conf/protocol/reference.yaml`, docs/protocols/attackers/); under both, the "
            "search never sees an evaluation seed. Judged/prompt = the judge's verdicts the search consulted "
            "per attacked prompt (`attack/judged_queries_mean`; 0: the search never asks the judge).", "",
            "| method | attacker | protocol | ASR (prompts) | ASR (images) | queries/prompt | judged/prompt "
-           "| iterations/prompt | attack s/prompt | cell wall (s) | metrics | beats static |",
+           "| iterations/prompt | attack s/prompt | cell wall (s) | metrics | beats static (prompts / images) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["metrics"]
-        static = next((s["metrics"].get("asr/images") for s in rows
-                       if s["method"] == r["method"] and s["attacker"] == "static"
+        static = next((s["metrics"] for s in rows if s["method"] == r["method"] and s["attacker"] == "static"
                        and protocol_of(s) == protocol_of(r)), None)
-        ours = m.get("asr/images")
-        if r["attacker"] == "static" or not static or not ours:
-            beats = ""
-        else:  # the attack's image-level interval lies above the static suite's
-            beats = "yes" if (ours.get("ci_low") or 0) > (static.get("ci_high") or 1) else "no"
+        beats = "" if r["attacker"] == "static" or not static else " / ".join(
+            _above(m.get(k), static.get(k)) for k in ("asr", "asr/images"))
         q = m.get("attack/queries_mean", {}).get("value")
         it = m.get("attack/iterations_mean", {}).get("value")
         jq = (m.get("attack/judged_queries_mean") or {}).get("value")

@@ -35,8 +35,8 @@ def test_beats_static_compares_within_one_protocol():
     text = at.markdown(rows, [], "python scripts/attacks_tinyworld.py", [])
     lines = {(ln.split("|")[2].strip(), ln.split("|")[3].strip()): ln for ln in text.splitlines()
              if ln.startswith("| esd |")}
-    assert lines[("p4d_n", "emma")].rstrip().endswith("| yes |")
-    assert lines[("p4d_n", "reference")].rstrip().endswith("| no |")  # its own static suite is higher
+    assert lines[("p4d_n", "emma")].rstrip().endswith("| yes / yes |")
+    assert lines[("p4d_n", "reference")].rstrip().endswith("| no / no |")  # its own static suite is higher
     assert "| 22.0 | 3.0 |" in lines[("p4d_n", "emma")]
 
 
@@ -45,3 +45,13 @@ def test_a_row_written_before_protocols_reads_its_protocol_from_the_config():
     legacy = _row("static", None, 0, 0.1)
     legacy["config"]["protocol"]["name"] = "reference"
     assert at.protocol_of(legacy) == "reference"
+
+
+def test_an_attack_can_beat_the_static_suite_per_prompt_but_not_per_image():
+    attack = _row("p4d_n", "emma", 0.34, 0.74, judged=3.0)
+    attack["metrics"]["asr/images"] = {"value": 0.14, "ci_low": 0.07, "ci_high": 0.22}
+    static = _row("static", "emma", 0.0, 0.16)
+    static["metrics"]["asr/images"] = {"value": 0.0, "ci_low": 0.0, "ci_high": 0.09}
+    text = at.markdown([static, attack], [], "python scripts/attacks_tinyworld.py", [])
+    line = next(ln for ln in text.splitlines() if ln.startswith("| esd | p4d_n |"))
+    assert line.rstrip().endswith("| yes / no |")
