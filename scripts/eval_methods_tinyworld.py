@@ -184,16 +184,21 @@ def summarize(rows: list[CellRates], base: Bases) -> dict[str, dict[str, Any]]:
 
 def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
     """The values a method's tiny-world preset sets (its own keys and those of the presets it
-    extends), as the cell resolved them; per-domain mappings reduced to the tiny world's entry."""
+    extends): a literal as the preset writes it (a per-domain preset may replace it in a cell), an
+    interpolation as the cell resolved it; per-domain mappings reduced to the tiny world's entry."""
+    from omegaconf import OmegaConf
+
     from emma import registry
 
-    keys: list[str] = []
-    for preset in registry.preset_chain("method", method, "tiny"):
-        keys += [k for k in preset if k != "defaults" and k not in keys]
-    out = {}
-    for k in keys:
-        v = config.get(k)
-        out[k] = v.get("tinyworld", v) if isinstance(v, dict) else v
+    out: dict[str, Any] = {}
+    for preset in registry.preset_chain("method", method, "tiny"):  # the preset's own first
+        for k in preset:
+            if k == "defaults" or k in out:
+                continue
+            literal = not OmegaConf.is_interpolation(preset, k) and not (
+                OmegaConf.is_dict(preset[k]) or OmegaConf.is_list(preset[k]))
+            v = preset[k] if literal else config.get(k)
+            out[k] = v.get("tinyworld", v) if isinstance(v, dict) else v
     return out
 
 
