@@ -261,7 +261,9 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
               for e in errors]
     failing = "\n".join(below) if below else "None: every cell passes."
     seeds = sorted({r.seed for r in rows})
-    absent = [m for m in METHODS if m not in summary]
+    from emma import registry
+
+    absent = [m for m in registry.choices("method") if m not in summary and m not in ("none", "checkpoint")]
     missing = (f"\nNot in this table (no cell measured for it): {', '.join(absent)}.\n" if absent else "")
     n_name = rows[0].n_name if rows else 0
     n_random = rows[0].n_random if rows else 0
