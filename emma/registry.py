@@ -128,16 +128,18 @@ def preset_path(group: str, name: str, scale: str | None, domain: str | None = N
     return None
 
 
-def preset_chain(group: str, name: str, scale: str) -> list[DictConfig]:
-    """The preset files of component ``name`` at ``scale`` as written (``defaults`` kept): its
+def preset_chain(group: str, name: str, scale: str, domain: str | None = None) -> list[DictConfig]:
+    """The preset files of component ``name`` at ``scale`` (with ``domain``: its per-domain preset,
+    ``preset/<group>_domain/<name>_<scale>_<domain>.yaml``) as written (``defaults`` kept): its
     own, then each preset it extends (a preset extends at most one other)."""
     from omegaconf import OmegaConf
 
     out = []
-    preset: str | None = f"{name}_{scale}"
+    folder = f"{group}_domain" if domain else group
+    preset: str | None = f"{name}_{scale}_{domain}" if domain else f"{name}_{scale}"
     while preset is not None:
-        path = next((r / "preset" / group / f"{preset}.yaml" for r in conf_dirs()
-                     if (r / "preset" / group / f"{preset}.yaml").is_file()), None)
+        path = next((r / "preset" / folder / f"{preset}.yaml" for r in conf_dirs()
+                     if (r / "preset" / folder / f"{preset}.yaml").is_file()), None)
         if path is None:
             break
         node = OmegaConf.load(path)

@@ -211,16 +211,12 @@ def domain_presets(method: str, concepts: Sequence[str]) -> str:
 
     out = []
     for domain in dict.fromkeys("tinyworld_style" if c in STYLES else "tinyworld" for c in concepts):
-        path = registry.preset_path("method", method, "tiny", domain)
-        if path is not None:
-            values, node = {}, OmegaConf.to_container(OmegaConf.load(path))
-            while True:  # the preset's own keys over those of the preset it extends
-                values = {**{k: v for k, v in node.items() if k != "defaults"}, **values}
-                parents = [d for d in node.get("defaults", []) if d != "_self_"]
-                if not parents:
-                    break
-                node = OmegaConf.to_container(OmegaConf.load(path.parent / f"{parents[0]}.yaml"))
-            out.append(f"; on {domain} also `conf/preset/method_domain/{path.name}`: `"
+        chain = registry.preset_chain("method", method, "tiny", domain)
+        if chain:
+            values: dict[str, Any] = {}
+            for node in chain:  # the preset's own keys over those of the presets it extends
+                values = {**{k: v for k, v in OmegaConf.to_container(node).items() if k != "defaults"}, **values}
+            out.append(f"; on {domain} also `conf/preset/method_domain/{method}_tiny_{domain}.yaml`: `"
                        f"{json.dumps(values, sort_keys=True)}`")
     return "".join(out)
 

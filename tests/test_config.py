@@ -186,13 +186,11 @@ def test_every_tiny_domain_preset_changes_only_its_method_keys_and_is_what_its_d
     assert (CONF / "method" / f"{method}.yaml").exists(), f"{path.name}: no conf/method/{method}.yaml"
     assert (CONF / "domain" / f"{domain}.yaml").exists(), f"{path.name}: no conf/domain/{domain}.yaml"
     assert path.read_text().startswith("# @package method"), f"{path.name} must start with '# @package method'"
-    values, node = {}, OmegaConf.load(path)
-    while True:
+    from emma import registry
+
+    values: dict = {}
+    for node in registry.preset_chain("method", method, "tiny", domain):  # its own keys over its parents'
         values = {**{k: v for k, v in node.items() if k != "defaults"}, **values}
-        parents = [d for d in node.get("defaults", []) if d != "_self_"]
-        if not parents:
-            break
-        node = OmegaConf.load(path.parent / f"{parents[0]}.yaml")
     assert values, f"{path.name} sets nothing"
     component = OmegaConf.load(CONF / "method" / f"{method}.yaml")
     known = set(component) | {k for d in component.get("defaults", []) if isinstance(d, str) and d != "_self_"
