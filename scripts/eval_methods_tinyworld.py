@@ -261,6 +261,10 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
 
     absent = [m for m in registry.choices("method") if m not in summary and m not in ("none", "checkpoint")]
     missing = (f"\nNot in this table (no cell measured for it): {', '.join(absent)}.\n" if absent else "")
+    unseeded = sum((r.concept, r.seed) not in base for r in rows)
+    if unseeded:  # said, not silently replaced: those cells' RA bar uses another seed's base
+        missing += (f"\n{unseeded} cells have no base-model cell at their own seed; their RA is compared "
+                    "with the base at the concept's first seed.\n")
     n_name = rows[0].n_name if rows else 0
     n_random = rows[0].n_random if rows else 0
     presets = "\n".join(f"- **{m}**: `conf/method/{m}.yaml` + `conf/preset/method/{m}_tiny.yaml`: `"

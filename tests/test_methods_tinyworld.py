@@ -224,3 +224,6 @@ def test_the_per_concept_table_shows_the_worst_seed_and_the_summary_counts_passi
     # seed 0's fails against 1.00, seed 1 fails on EA
     assert "| uce | 3 | 0.87 |" in text and "| 1 of 3 (**no**) |" in text
     assert "- uce / circle (seed 0): RA 0.70 < 0.8 x 1.00" in text and "(seed 2)" not in text
+    assert "no base-model cell at their own seed" not in text
+    del base[("circle", 2)]  # a file without seed 2's base: the report says so
+    assert "1 cells have no base-model cell at their own seed" in ev.markdown(rows, base, ["circle"], "cmd", None)
