@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -106,12 +107,19 @@ HYPOTHESIS = {"title": "Round coin", "rationale": "A coin is round.", "strategy"
               "success_criterion": "the VLM sees a circle"}
 
 
+_VERDICT_LOCK = threading.Lock()
+_VERDICTS: dict[str, float] = {}  # pixel hash -> confidence, in the order the scripted VLM first saw the images
+
+
 def _vlm_verdict(image: np.ndarray) -> str:
-    """The scripted VLM: 'present' with confidence 0.9 or 0.6 (below the 0.8 threshold), by the
-    parity of the image's pixel hash — a deterministic function of the pixels."""
+    """The scripted VLM: 'present' with confidence 0.9 or 0.6 (below the 0.8 threshold), alternating
+    over the distinct images in the order it first sees them, so that any two distinct probes get
+    both verdicts; the same pixels always get the same verdict."""
     from emma.cache import pixel_hash
 
-    return json.dumps({"present": True, "confidence": 0.9 if int(pixel_hash(image)[:8], 16) % 2 else 0.6})
+    with _VERDICT_LOCK:
+        confidence = _VERDICTS.setdefault(pixel_hash(image), 0.9 if len(_VERDICTS) % 2 == 0 else 0.6)
+    return json.dumps({"present": True, "confidence": confidence})
 
 
 def _reply(body: dict, n: int):

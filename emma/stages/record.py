@@ -258,7 +258,6 @@ def sample_rows(ctx: CellContext, exported: dict[str, str]) -> list[dict[str, An
 
 
 def record(ctx: CellContext) -> None:
-    caveats(ctx)
     out, outputs = ctx.output_dir, ctx.outputs
     attacked = [dataclasses.replace(s, group="attack") for o in outputs for s in o.samples]
     # the base model's twin of an evidence image only where the cell's model differs from it
@@ -266,6 +265,7 @@ def record(ctx: CellContext) -> None:
     limit = ctx.cfg.get("evidence_images", 16)
     exported = write_evidence(ctx.generator, ctx.samples + attacked, out, limit=None if limit is None else int(limit),
                               base=ctx.base_model if erased else None)
+    caveats(ctx)  # after the evidence: the base model's twins are read from the cache there, and may be repaired
     cell_counts = counts(ctx)
     cell_counts["evidence_images"] = len(exported)
     protocol = protocol_record(ctx)
