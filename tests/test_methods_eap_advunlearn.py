@@ -263,6 +263,21 @@ def test_advunlearn_retain_prompts_and_errors():
         AdvUnlearnMethod(attack_type="everywhere")
 
 
+def test_advunlearn_concept_template_is_the_unlearning_prompt(base):
+    """concept_templates puts the concept in the prompt it is unlearned in: erasing "circle" in
+    "an image of a {}" edits the encoder exactly as erasing the prompt "an image of a circle"."""
+    kw = dict(retain_concepts=["square"], retain_templates="{}")
+    a, b, c = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    small_advunlearn(concept_templates={"tinyworld": "an image of a {}"}, **kw).erase(a, ["circle"], seed=0,
+                                                                                      domain=DOMAIN)
+    small_advunlearn(**kw).erase(b, ["an image of a circle"], seed=0, domain=DOMAIN)
+    small_advunlearn(**kw).erase(c, ["circle"], seed=0, domain=DOMAIN)
+    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
+    with pytest.raises(ConfigError, match="concept_templates for domain 'tinyworld' must be a string with one"):
+        small_advunlearn(concept_templates="an image of a circle").erase(copy.deepcopy(base), ["circle"],
+                                                                          domain=DOMAIN)
+
+
 # model=sd14 plumbing for EAP and AdvUnlearn: tests/test_methods_more.py (SMALL_SD), with the
 # other methods of this family.
 

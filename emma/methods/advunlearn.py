@@ -100,6 +100,8 @@ class AdvUnlearnMethod(ErasureMethod):
         negative_guidance / start_guidance / ddim_steps: η of the ESD target; guidance and DDIM
             steps of the sampler that draws ``x_t``.
         neutral_concepts: per domain, the prompt of ``ε(x_t, E_0(""))`` (``""``, as ESD).
+        concept_templates: per domain, the prompt the concept is unlearned in (``{}``: the
+            concept's name alone, as the reference's ``--prompt``).
         retain_concepts: per domain, the concepts of the retain prompts (``"<others>"`` = the
             domain's other concepts); ``retain_templates`` puts each in a prompt (``{}``).
         retain_batch: retain prompts per step; retain_loss_w: their weight (0: no retain term).
@@ -130,6 +132,7 @@ class AdvUnlearnMethod(ErasureMethod):
         start_guidance: float = 3.0,
         ddim_steps: int = 50,
         neutral_concepts: Any = "",
+        concept_templates: Any = "{}",
         retain_concepts: Any = "<others>",
         retain_templates: Any = "a photo of a {}",
         retain_batch: int = 5,
@@ -166,7 +169,8 @@ class AdvUnlearnMethod(ErasureMethod):
             iterations=int(iterations), learning_rate=float(learning_rate), layers=layers, component=component,
             norm_layer=bool(norm_layer), negative_guidance=float(negative_guidance),
             start_guidance=float(start_guidance), ddim_steps=int(ddim_steps),
-            neutral_concepts=to_python(neutral_concepts), retain_concepts=to_python(retain_concepts),
+            neutral_concepts=to_python(neutral_concepts), concept_templates=to_python(concept_templates),
+            retain_concepts=to_python(retain_concepts),
             retain_templates=to_python(retain_templates), retain_batch=int(retain_batch),
             retain_loss_w=float(retain_loss_w), adv_prompt_num=int(adv_prompt_num), attack_type=attack_type,
             attack_space=attack_space, attack_method=attack_method, attack_step=int(attack_step),
@@ -203,7 +207,12 @@ class AdvUnlearnMethod(ErasureMethod):
         if not isinstance(neutral, str):
             raise ConfigError(f"AdvUnlearn neutral_concepts for domain {domain_name(domain)!r} must be a string, "
                               f"got {neutral!r}")
+        template = for_domain(hp["concept_templates"], domain, what="AdvUnlearn concept_templates")
+        if not isinstance(template, str) or template.count("{}") != 1:
+            raise ConfigError(f"AdvUnlearn concept_templates for domain {domain_name(domain)!r} must be a string "
+                              f"with one '{{}}' (the concept), got {template!r}")
         retain = self.retain_prompts(concepts, domain)
+        concepts = [template.format(c) for c in concepts]
         gen = cpu_generator(seed)
         frozen_before = {c: {n: p.requires_grad for n, p in getattr(pipe, c).named_parameters()}
                          for c in ("unet", "vae")}
