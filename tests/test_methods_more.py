@@ -346,6 +346,19 @@ def test_spm_same_seed_same_adapter(base):
     assert fingerprint(a) == fingerprint(b) != fingerprint(base)
 
 
+def test_spm_concept_template_is_the_membrane_s_training_prompt(base):
+    """concept_templates puts the concept in the prompt its membrane is trained on: "circle" in
+    "an image of a {}" trains the membrane that the prompt "an image of a circle" trains; the
+    name alone (the default) another."""
+    a, b, c = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    small_spm(concept_templates={"tinyworld": "an image of a {}"}).erase(a, ["circle"], seed=1, domain=DOMAIN)
+    small_spm().erase(b, ["an image of a circle"], seed=1, domain=DOMAIN)
+    small_spm().erase(c, ["circle"], seed=1, domain=DOMAIN)
+    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
+    with pytest.raises(ConfigError, match="SPM concept_templates for domain 'tinyworld' must be a string with one"):
+        small_spm(concept_templates={"tinyworld": "{} and {}"}).erase(copy.deepcopy(base), ["circle"], domain=DOMAIN)
+
+
 # --------------------------------------------------------------------------- model=sd14
 SMALL_SD = {
     "rece": [], "sld": [], "sld_max": [],

@@ -303,6 +303,9 @@ class SPMMethod(ErasureMethod):
         la_strength: weight of the latent-anchoring loss (0 = plain erasure).
         sampling_batch_size: random anchors per iteration.
         neutral_concepts: per domain, the neutral prompt of the erasure target (``""`` in SPM).
+        concept_templates: per domain, the prompt a membrane is trained on, with ``{}`` the
+            concept (``{}``: its name alone, as the reference's ``target``/``positive`` prompts);
+            facilitated transport matches prompts against the name either way.
         facilitated_transport: scale each membrane per prompt by its matching score at sampling
             time (the reference's inference); ``False``: full strength on every prompt.
         matching_metric: the score (:data:`MATCHING_METRICS`; the reference's ``clipcos_tokenuni``).
@@ -327,6 +330,7 @@ class SPMMethod(ErasureMethod):
         la_strength: float = 1000.0,
         sampling_batch_size: int = 4,
         neutral_concepts: Any = "",
+        concept_templates: Any = "{}",
         facilitated_transport: bool = False,
         matching_metric: str = "clipcos_tokenuni",
         progress: bool = True,
@@ -342,6 +346,7 @@ class SPMMethod(ErasureMethod):
             max_denoising_steps=int(max_denoising_steps), start_guidance=float(start_guidance),
             guidance_scale=float(guidance_scale), la_strength=float(la_strength),
             sampling_batch_size=int(sampling_batch_size), neutral_concepts=to_python(neutral_concepts),
+            concept_templates=to_python(concept_templates),
             facilitated_transport=bool(facilitated_transport), matching_metric=str(matching_metric),
         )
         self.progress = bool(progress)
@@ -360,6 +365,10 @@ class SPMMethod(ErasureMethod):
         if not isinstance(neutral, str):
             raise ConfigError(f"SPM neutral_concepts for domain {domain_name(domain)!r} must be a string, "
                               f"got {neutral!r}")
+        template = for_domain(hp["concept_templates"], domain, what="SPM concept_templates")
+        if not isinstance(template, str) or template.count("{}") != 1:
+            raise ConfigError(f"SPM concept_templates for domain {domain_name(domain)!r} must be a string with one "
+                              f"'{{}}' (the concept), got {template!r}")
         gen = cpu_generator(seed)
         unet = pipe.unet
         device, dtype = unet.device, unet.dtype
@@ -378,7 +387,7 @@ class SPMMethod(ErasureMethod):
         with fp32_training(unet):  # the UNet is frozen; fp32 so the adapter trains in fp32
             unet.requires_grad_(False)
             for concept in concepts:
-                cond = encode_text(pipe, [concept]).float()
+                cond = encode_text(pipe, [template.format(concept)]).float()
                 adapter = SPMAdapter(targets, hp["rank"], hp["alpha"], gen).to(device)
                 opt = torch.optim.AdamW(adapter.parameters(), lr=hp["learning_rate"])
                 sched = get_cosine_with_hard_restarts_schedule_with_warmup(
