@@ -389,7 +389,7 @@ def show_sweep(argv: list[str]) -> int:
     flag = next(i for i, a in enumerate(argv) if a in ("--cfg", "-c"))
     if any(a.startswith("-") for a in rest) or argv[flag + 1:flag + 2] != ["job"]:
         print("error: with -m, only --cfg job [--resolve] is supported", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     try:
         overrides = scale_alias(rest)
         cells = cell_overrides(overrides, True)
@@ -403,8 +403,8 @@ def show_sweep(argv: list[str]) -> int:
             print(OmegaConf.to_yaml(cfg, resolve="--resolve" in argv))
     except EmmaError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return exit_codes.USER_ERROR
+    return exit_codes.OK
 
 
 def cli() -> None:

@@ -57,7 +57,7 @@ def test_each_error_carries_its_code(err, code):
 
 def _bare_codes(path: str) -> list[str]:
     """``sys.exit(<int>)``, ``SystemExit(<int>)`` and ``return <int>`` in a function that
-    returns an exit code (``main``, ``preflight``, ``list_components``, ``cli``)."""
+    returns an exit code (``main``, ``preflight``, ``list_components``, ``show_sweep``, ``cli``)."""
     tree = ast.parse((ROOT / path).read_text())
     found = []
     for fn in ast.walk(tree):
@@ -67,7 +67,8 @@ def _bare_codes(path: str) -> list[str]:
             if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
                     and isinstance(node.args[0].value, int) and ast.unparse(node.func) in ("sys.exit", "SystemExit"):
                 found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
-            if fn.name in ("main", "preflight", "list_components", "cli") and isinstance(node, ast.Return) \
+            if fn.name in ("main", "preflight", "list_components", "show_sweep", "cli") \
+                    and isinstance(node, ast.Return) \
                     and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int):
                 found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
     return found
