@@ -222,7 +222,8 @@ def domain_presets(method: str, concepts: Sequence[str]) -> str:
 
 
 def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], command: str,
-             grid_name: str | None, errors: Sequence[dict[str, Any]] = ()) -> str:
+             grid_name: str | None, errors: Sequence[dict[str, Any]] = (), shared: bool = False) -> str:
+    """The page; ``shared``: its cells ran in several processes at once (``--report``)."""
     summary = summarize(rows, base)
     for e in errors:  # a method with a cell that could not run does not pass
         if e["method"] in summary:
@@ -275,6 +276,8 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
     grid = (f"\nSamples (one row per method, erasing **{concepts[0]}**; columns: "
             f"{', '.join(repr(p) for p in dict.fromkeys(grid_prompts(concepts[0])))} as 4, 2 and 2 images; "
             f"seeds 0-7):\n\n![samples]({grid_name})\n" if grid_name else "")
+    timing = ("; the cells of this table ran in several processes at once, so a time includes waiting for "
+              "a core and times compare only roughly (scripts/bench_*.py measure speed)" if shared else "")
     return f"""# Erasure methods on the tiny world
 
 Each cell is `python -m emma.run method=M concept=C` with the shipped configs: the method's
@@ -286,7 +289,7 @@ drawn by the tiny world's sampler (Euler ancestral, 20 steps, guidance 5) and ju
 tiny-world classifier. EA = fraction of name-prompt images where the erased shape is **not** found;
 RA = fraction of other-shape images where their shape **is** found (EMMA's definitions).
 A method passes when every shape reaches EA ≥ 0.8 and RA ≥ 0.8 × the base model's RA on the same
-concept. Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on this machine's CPU.
+concept. Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on this machine's CPU{timing}.
 
 ## Summary over {len(concepts)} concepts
 
@@ -415,7 +418,7 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[Ce
         given = argv if argv is not None else sys.argv[1:]
         command = ("python scripts/eval_methods_tinyworld.py " + " ".join(given)).strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, base, concepts, command, grid_name, errors))
+    args.out.write_text(markdown(rows, base, concepts, command, grid_name, errors, shared=bool(args.report)))
     print(f"wrote {args.out}")
 
 

@@ -204,6 +204,8 @@ def test_a_cell_that_stops_with_an_error_is_a_failing_row_of_the_report(tmp_path
     again = tmp_path / "again.md"
     ev.main(["--report", str(js), "--out", str(again), "--no-grid"])
     assert "stopped with an error" in again.read_text()
+    shared = "ran in several processes at once, so a time includes waiting for a core"
+    assert shared in again.read_text() and shared not in text  # times of one process vs. assembled cells
     fixed = tmp_path / "fixed.json"
     fixed.write_text(json.dumps({"base": data["base"], "rows": [dict(data["rows"][2], concept="square")]}))
     ev.main(["--report", str(js), str(fixed), "--out", str(again), "--no-grid"])
