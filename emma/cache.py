@@ -179,11 +179,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale_tmp(root: Path) -> int:
-    """Remove temporary files/folders under ``root`` whose writer is no longer running."""
+    """Remove temporary files/folders under ``root`` whose writer is no longer running.
+
+    Other processes write and rename their temporaries while this walks: a folder that vanishes
+    under the walk is skipped (``os.walk`` ignores it), and a temporary folder is judged whole,
+    never entered."""
     removed = 0
     if not root.exists():
         return 0
-    for p in root.rglob(f"*{TMP_SUFFIX}"):
+    found: list[Path] = []
+    for parent, dirs, files in os.walk(root):
+        found += [Path(parent, n) for n in (*dirs, *files) if n.endswith(TMP_SUFFIX)]
+        dirs[:] = [d for d in dirs if not d.endswith(TMP_SUFFIX)]
+    for p in found:
         try:
             pid = int(p.name[: -len(TMP_SUFFIX)].rsplit(".", 1)[1])
         except (IndexError, ValueError):
