@@ -69,6 +69,16 @@ def for_domain(mapping: Any, domain: Domain | str | None, *, what: str) -> Any:
                              key, mapping.keys())
 
 
+def domain_template(mapping: Any, domain: Domain | str | None, *, what: str) -> str:
+    """:func:`for_domain`'s entry for a prompt template: a string with exactly one ``{}`` (the
+    concept); anything else is a :class:`ConfigError` naming ``what`` and the domain."""
+    template = for_domain(mapping, domain, what=what)
+    if not isinstance(template, str) or template.count("{}") != 1:
+        raise ConfigError(f"{what} for domain {domain_name(domain)!r} must be a string with one '{{}}' "
+                          f"(the concept), got {template!r}")
+    return template
+
+
 def for_concept(value: Any, concept: str, *, what: str) -> Any:
     """Resolve a per-concept value: a string, or ``{concept: value, _default: value}``."""
     if not isinstance(value, Mapping):

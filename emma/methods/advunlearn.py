@@ -49,6 +49,7 @@ from emma.methods._common import (
     check_concepts,
     cpu_generator,
     domain_name,
+    domain_template,
     encode_text,
     expand_others,
     for_domain,
@@ -207,10 +208,7 @@ class AdvUnlearnMethod(ErasureMethod):
         if not isinstance(neutral, str):
             raise ConfigError(f"AdvUnlearn neutral_concepts for domain {domain_name(domain)!r} must be a string, "
                               f"got {neutral!r}")
-        template = for_domain(hp["concept_templates"], domain, what="AdvUnlearn concept_templates")
-        if not isinstance(template, str) or template.count("{}") != 1:
-            raise ConfigError(f"AdvUnlearn concept_templates for domain {domain_name(domain)!r} must be a string "
-                              f"with one '{{}}' (the concept), got {template!r}")
+        template = domain_template(hp["concept_templates"], domain, what="AdvUnlearn concept_templates")
         retain = self.retain_prompts(concepts, domain)
         concepts = [template.format(c) for c in concepts]
         gen = cpu_generator(seed)

@@ -48,8 +48,8 @@ from emma.methods._common import (
     concept_positions,
     cpu_generator,
     diffusion_target,
+    domain_template,
     encode_text,
-    for_domain,
     fp32_training,
     generate_latents,
     randint,
@@ -218,10 +218,7 @@ class ForgetMeNotMethod(ErasureMethod):
 
     def template(self, domain: Domain | None) -> str:
         """The training prompt template of ``domain``."""
-        template = for_domain(self.hparams["prompt_templates"], domain, what="FMN prompt_templates")
-        if not isinstance(template, str) or template.count("{}") != 1:
-            raise ConfigError(f"FMN prompt template must be a string with one '{{}}', got {template!r}")
-        return template
+        return domain_template(self.hparams["prompt_templates"], domain, what="FMN prompt_templates")
 
     def prompts(self, concepts: Sequence[str], domain: Domain | None) -> list[str]:
         """One training prompt per concept."""

@@ -58,6 +58,7 @@ from emma.methods._common import (
     check_concepts,
     cpu_generator,
     domain_name,
+    domain_template,
     encode_text,
     for_domain,
     fp32_training,
@@ -365,10 +366,7 @@ class SPMMethod(ErasureMethod):
         if not isinstance(neutral, str):
             raise ConfigError(f"SPM neutral_concepts for domain {domain_name(domain)!r} must be a string, "
                               f"got {neutral!r}")
-        template = for_domain(hp["concept_templates"], domain, what="SPM concept_templates")
-        if not isinstance(template, str) or template.count("{}") != 1:
-            raise ConfigError(f"SPM concept_templates for domain {domain_name(domain)!r} must be a string with one "
-                              f"'{{}}' (the concept), got {template!r}")
+        template = domain_template(hp["concept_templates"], domain, what="SPM concept_templates")
         gen = cpu_generator(seed)
         unet = pipe.unet
         device, dtype = unet.device, unet.dtype
