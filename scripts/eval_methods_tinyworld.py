@@ -185,7 +185,8 @@ def summarize(rows: list[CellRates], base: Bases) -> dict[str, dict[str, Any]]:
 def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
     """The values a method's tiny-world preset sets (its own keys and those of the presets it
     extends): a literal as the preset writes it (a per-domain preset may replace it in a cell), an
-    interpolation as the cell resolved it; per-domain mappings reduced to the tiny world's entry."""
+    interpolation as the cell resolved it; a per-domain mapping reduced to the shape domain's
+    entry when that is the only tiny-world domain it names, else kept whole."""
     from omegaconf import OmegaConf
 
     from emma import registry
@@ -198,7 +199,7 @@ def preset_values(method: str, config: dict[str, Any]) -> dict[str, Any]:
             literal = not OmegaConf.is_interpolation(preset, k) and not (
                 OmegaConf.is_dict(preset[k]) or OmegaConf.is_list(preset[k]))
             v = preset[k] if literal else config.get(k)
-            out[k] = v.get("tinyworld", v) if isinstance(v, dict) else v
+            out[k] = v["tinyworld"] if isinstance(v, dict) and "tinyworld" in v and "tinyworld_style" not in v else v
     return out
 
 

@@ -229,3 +229,13 @@ def test_the_per_concept_table_shows_the_worst_seed_and_the_summary_counts_passi
     assert "no base-model cell at their own seed" not in text
     del base[("circle", 2)]  # a file without seed 2's base: the report says so
     assert "1 cells have no base-model cell at their own seed" in ev.markdown(rows, base, ["circle"], "cmd", None)
+
+
+def test_the_settings_line_keeps_a_per_domain_mapping_whole():
+    """A preset mapping that names both tiny-world domains (AdvUnlearn's prompt templates) is
+    shown whole on the page; one naming only the shape domain is shown as that entry."""
+    both = {"tinyworld": "an image of a {}", "tinyworld_style": "a star in {} style"}
+    values = ev.preset_values("advunlearn", {"concept_templates": both})
+    assert values["concept_templates"] == both and values["iterations"] == 150
+    shapes_only = {"tinyworld": "an image of a {}", "object": "a photo of a {}"}
+    assert ev.preset_values("advunlearn", {"concept_templates": shapes_only})["concept_templates"] == "an image of a {}"
