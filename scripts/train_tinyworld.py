@@ -281,7 +281,10 @@ def train_unet(args, work: Path):
     torch.manual_seed(args.seed + 3)
     unet = UNet2DConditionModel(**arch.UNET_CONFIGS[args.unet]).to(args.device)
     te = text_encoder(work).to(args.device)
-    params = list(unet.parameters()) + list(te.parameters())
+    # --identity-loss: a linear read-out that must name each caption token from the encoder's
+    # output at its position, so a word's context keeps which word it was, not only its meaning
+    head = torch.nn.Linear(te.config.hidden_size, te.config.vocab_size).to(args.device) if args.identity_loss else None
+    params = list(unet.parameters()) + list(te.parameters()) + (list(head.parameters()) if head else [])
     log(f"unet: {sum(p.numel() for p in unet.parameters()) / 1e6:.2f}M params, "
         f"text encoder {sum(p.numel() for p in te.parameters()) / 1e6:.2f}M")
     opt = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=0.01)
@@ -307,15 +310,19 @@ def train_unet(args, work: Path):
                              f"--unet, or start --unet {args.unet} in another --work-dir")
         unet.load_state_dict(state["unet"])
         widened = widen_lexicon_map(state["te"], te)
+        if head is not None and "head" in state:
+            head.load_state_dict(state["head"])
+        elif head is not None:  # the read-out starts here: the optimizer's groups changed
+            widened = True
         widen_lexicon_map(state["ema"]["te"], te)
         te.load_state_dict(state["te"])
         ema = state["ema"]
         gen.set_state(state["gen"])
         start = state["step"]
         warm = state.get("warm_start", 0)
-        if widened:  # the optimizer's moments no longer fit the map: fresh ones, a new warm-up
+        if widened:  # the optimizer's moments no longer fit the parameters: fresh ones, a new warm-up
             warm = start
-            log("unet: the lexicon gained columns; the map's new weights start at zero, optimizer reset")
+            log("unet: the lexicon gained columns or the identity read-out starts; optimizer reset")
         else:
             opt.load_state_dict(state["opt"])
         log(f"unet: resumed at step {start}")
@@ -363,8 +370,14 @@ def train_unet(args, work: Path):
         enc = te(ids)[0]
         pred = unet(noisy.to(args.device), t.to(args.device), enc).sample
         loss = F.mse_loss(pred, noise.to(args.device))
+        if head is not None:
+            words = (ids != te.config.bos_token_id) & (ids != te.config.eos_token_id)
+            ident = F.cross_entropy(head(enc[words]), ids[words]) if words.any() else enc.sum() * 0
+            loss_total = loss + args.identity_loss * ident
+        else:
+            loss_total = loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_total.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         decay = min(args.ema, (1 + step) / (10 + step))
@@ -378,9 +391,11 @@ def train_unet(args, work: Path):
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.unet_steps:
             atomic_save({"unet": unet.state_dict(), "te": te.state_dict(),
                          "opt": opt.state_dict(), "ema": ema, "gen": gen.get_state(),
-                         "step": step + 1, "warm_start": warm, "unet_arch": args.unet}, ckpt)
+                         "step": step + 1, "warm_start": warm, "unet_arch": args.unet,
+                         **({"head": head.state_dict()} if head is not None else {})}, ckpt)
             log(f"unet step {step + 1} loss {loss.item():.4f} "
-                f"({(time.time() - t0) / (step + 1 - start):.2f} s/step)")
+                + (f"identity {ident.item():.3f} " if head is not None else "")
+                + f"({(time.time() - t0) / (step + 1 - start):.2f} s/step)")
     atomic_save({"ema": ema, "scaling": pool["scaling"], "step": args.unet_steps}, final)
 
 
@@ -445,14 +460,42 @@ def plain_text_encoder(work: Path, state: dict):
     return plain
 
 
+TABLE_KEY = "embeddings.token_embedding.weight"
+
+
+def recover_lexicon_map(state: dict, te) -> float:
+    """Turn an exported text encoder's baked token table (in ``state``) back into the lexicon
+    map of ``te``'s semantic embedding: the least-squares ``W, b`` with ``features @ W.T + b``
+    equal to the table on every ordinary token, and the start/end tokens' free vectors. Returns
+    the largest absolute residual (fp16 rounding of the export when the lexicon is the one it
+    was trained with; a large one means another lexicon)."""
+    emb = te.get_input_embeddings()
+    table = state.pop(TABLE_KEY)
+    special = emb.special_ids
+    rows = torch.ones(table.shape[0], dtype=torch.bool)
+    rows[special] = False
+    x = torch.cat([emb.features[rows].double(), torch.ones(int(rows.sum()), 1, dtype=torch.float64)], dim=1)
+    sol = torch.linalg.lstsq(x, table[rows].double()).solution
+    state[PROJ_KEY] = sol[:-1].T.float()
+    state["embeddings.token_embedding.proj.bias"] = sol[-1].float()
+    state["embeddings.token_embedding.special"] = table[special].float()
+    return float((x @ sol - table[rows].double()).abs().max())
+
+
 def init_from_export(folder: Path, unet, te) -> int:
-    """Load an exported pipeline's UNet and text encoder into ``unet`` / ``te``; its step count."""
+    """Load an exported pipeline's UNet and text encoder into ``unet`` / ``te``; its step count.
+
+    An export bakes the lexicon map into a plain token table; when ``te`` learns a map, the map
+    is recovered from the table (:func:`recover_lexicon_map`)."""
     from safetensors.torch import load_file
 
     meta = json.loads((folder / "training.json").read_text())
     for model, sub, fname in ((unet, "unet", "diffusion_pytorch_model.safetensors"),
                               (te, "text_encoder", "model.safetensors")):
         state = {k: v.float() for k, v in load_file(str(folder / "pipeline" / sub / fname)).items()}
+        if model is te and TABLE_KEY in state and hasattr(te.get_input_embeddings(), "proj"):
+            residual = recover_lexicon_map(state, te)
+            log(f"unet: lexicon map recovered from {folder}'s token table (largest residual {residual:.2e})")
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if "position_ids" not in k]:
             raise SystemExit(f"--init-from {folder}: {sub} does not match the tiny-world architecture "
@@ -611,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage affinity: the fit's logits times this before the softmax (sharper columns)")
     p.add_argument("--affinity-scale", type=float, default=1.0,
                    help="stage affinity: the columns' scale (probabilities times this; the map learns them faster)")
+    p.add_argument("--identity-loss", type=float, default=0.0,
+                   help="weight of a read-out loss naming each caption token from the encoder's output at "
+                        "its position (keeps a word's identity in its context, not only its meaning)")
     p.add_argument("--object-words", type=float, default=0.0,
                    help="fraction of captions that name the shape, and of style phrases that name the "
                         "background, by a thing of that shape or pattern (world.SHAPE_OBJECTS, STYLE_OBJECTS)")

@@ -144,6 +144,25 @@ def test_training_script_runs_end_to_end_and_exports_an_sd_pipeline(tmp_path):
     exported = json.loads((tmp_path / "e2" / "training.json").read_text())
     assert exported["recipe"]["phases"][1]["unet_steps"] == 6
     assert [(p["from_step"], p["to_step"]) for p in exported["phases"]] == [(0, 4), (4, 6)]
+    # a continuation with the identity read-out: the optimizer restarts, the read-out is
+    # checkpointed and its loss logged
+    ident = [*cmd[:at], "--unet-steps", "8", *cmd[at + 2:], "--identity-loss", "0.1"]
+    proc = subprocess.run(ident, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the identity read-out starts; optimizer reset" in proc.stdout
+    assert "unet step 8 loss" in proc.stdout and " identity " in proc.stdout
+    ckpt = torch.load(work / "unet_ckpt.pt", map_location="cpu", weights_only=False)
+    assert ckpt["step"] == 8 and ckpt["head"]["weight"].shape == (49408, 64)
+    # an export continues in a fresh work dir: the lexicon map is recovered from its baked table
+    fresh = [*base, "--lexicon", "random", "--unet-steps", "10", "--init-from", str(out),
+             "--stages", "vae,classifier,pool,lexicon,affinity,unet", "--affinity-negatives", "20"]
+    fresh[fresh.index("--work-dir") + 1] = str(tmp_path / "w3")
+    fresh[fresh.index("--export") + 1] = str(tmp_path / "e3")
+    proc = subprocess.run(fresh, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "unet: initialised from" in proc.stdout and "at step 8" in proc.stdout
+    residual = float(proc.stdout.split("largest residual ")[1].split(")")[0])
+    assert residual < 1e-2, "the seeded lexicon and affinity are rebuilt exactly, so the map fits the table"
 
 
 @pytest.mark.parametrize("recipe, message", [

@@ -211,3 +211,35 @@ def test_training_widens_a_map_fitted_before_the_affinity_columns():
 
     with pytest.raises(SystemExit, match="does not fit"):
         widen_lexicon_map(TE(9).state_dict(), new)
+
+
+def test_an_exported_token_table_gives_back_the_lexicon_map(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from train_tinyworld import TABLE_KEY, plain_text_encoder, recover_lexicon_map, text_encoder
+
+    feats = normalise(np.random.default_rng(3).standard_normal((49408, 24))).astype(np.float32)
+    np.save(tmp_path / "lexicon.npy", feats.astype(np.float16))
+    torch.manual_seed(0)
+    trained = text_encoder(tmp_path)
+    emb = trained.get_input_embeddings()
+    torch.nn.init.normal_(emb.proj.weight)
+    torch.nn.init.normal_(emb.proj.bias)
+    plain = plain_text_encoder(tmp_path, trained.state_dict())  # what an export holds
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    fresh = text_encoder(tmp_path)
+    residual = recover_lexicon_map(state, fresh)
+    assert TABLE_KEY not in state and residual < 1e-4
+    fresh.load_state_dict(state, strict=False)
+    got = fresh.get_input_embeddings()
+    assert torch.allclose(got.proj.weight, emb.proj.weight, atol=1e-4)
+    assert torch.allclose(got.weight(), emb.weight(), atol=1e-4)
+    ids = torch.tensor([[49406, 320, 2728, 49407]])
+    with torch.no_grad():
+        assert torch.allclose(fresh(ids)[0], plain(ids)[0], atol=1e-4)
+    # a table the lexicon cannot produce leaves a residual the caller can see
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    state[TABLE_KEY][:100] += 1.0
+    assert recover_lexicon_map(state, text_encoder(tmp_path)) > 0.5
