@@ -495,6 +495,10 @@ def init_from_export(folder: Path, unet, te) -> int:
         state = {k: v.float() for k, v in load_file(str(folder / "pipeline" / sub / fname)).items()}
         if model is te and TABLE_KEY in state and hasattr(te.get_input_embeddings(), "proj"):
             residual = recover_lexicon_map(state, te)
+            if residual > 1e-2:  # fp16 rounding is ~1e-3: the work dir's lexicon is not the export's
+                raise SystemExit(f"--init-from {folder}: its token table is not a map of this work dir's lexicon "
+                                 f"(largest residual {residual:.2g}, fp16 rounding gives ~1e-3); build the "
+                                 "lexicon and affinity stages with the export's settings")
             log(f"unet: lexicon map recovered from {folder}'s token table (largest residual {residual:.2e})")
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if "position_ids" not in k]:
