@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,23 @@ def _session_cache(tmp_path_factory):
     if "EMMA_CACHE" not in os.environ or os.environ.get("EMMA_TEST_KEEP_CACHE") != "1":
         os.environ["EMMA_CACHE"] = str(tmp_path_factory.mktemp("emma-cache"))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _root_logging():
+    """Each test leaves the root logger as it found it. A test that runs Hydra's entry in this
+    process gets Hydra's job logging: INFO on the root, a console handler on the stream pytest
+    captured for that test and closes after it. Left in place, a later test's INFO record
+    (matplotlib's "generated new fontManager" on a fresh machine) goes to the closed stream,
+    and logging prints a "Logging error" traceback into that test's stderr."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in handlers
+                    and not type(h).__module__.startswith("_pytest")]:  # pytest's own: its phases
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
 
 
 def run_env(cache: Path | str, **extra: str) -> dict[str, str]:

@@ -1,7 +1,12 @@
 """A cache that heals: every kind of cached artefact (image PNG, judge score, FID statistics,
 erased model manifest and weights) is truncated, corrupted, or replaced by a valid but
 different file; the re-run moves it to the quarantine, recomputes it, reports the repair, and
-yields the same metrics as the clean run."""
+yields the same metrics as the clean run.
+
+A regenerated image is drawn in a batch of one where the clean run drew it in a batch of five,
+and CPU kernels may round a batch of one differently: on an AMD EPYC machine one pixel of it
+moves by one level, which moves FID by 2e-7 of its value and no rate. So rates are compared
+exactly, FID to 1e-4 of its value, and a healed image to the original pixel by pixel."""
 
 from __future__ import annotations
 
@@ -41,6 +46,19 @@ def _rates(result) -> dict:
     return {k: v.to_json() for k, v in result.metrics.items() if not k.startswith("time/")}
 
 
+def _assert_same_numbers(got: dict, reference: dict) -> None:
+    """Every rate exactly as in ``reference``; FID and its interval to 1e-4 of their values."""
+    assert set(got) == set(reference)
+    assert {k: v for k, v in got.items() if k != "fid"} == {k: v for k, v in reference.items() if k != "fid"}
+    fid, ref = got["fid"], reference["fid"]
+    rest = lambda m: {k: v for k, v in m.items() if k not in FID_FLOATS}  # noqa: E731
+    assert rest(fid) == rest(ref)
+    assert [fid[k] for k in FID_FLOATS] == pytest.approx([ref[k] for k in FID_FLOATS], rel=1e-4)
+
+
+FID_FLOATS = ("value", "ci_low", "ci_high")
+
+
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """One clean cell: its cache (the template every case damages) and its metrics."""
@@ -58,8 +76,11 @@ def clean(tmp_path_factory):
 def _target(cache: Path, kind: str) -> Path:
     if kind == "image":
         return sorted((cache / "images").rglob("*.png"))[0]
-    if kind == "score":
-        return sorted((cache / "scores").rglob("*.npz"))[0]
+    if kind == "score":  # not the score of the image the "image" cases damage: a regenerated
+        # image that differs by a level of rounding gets a new pixel hash, so its old score
+        # would never be read again, and never repaired
+        first_image = pixel_hash(np.asarray(Image.open(_target(cache, "image")).convert("RGB")))
+        return sorted(p for p in (cache / "scores").rglob("*.npz") if p.stem != first_image)[0]
     if kind == "fid_statistics":
         (path,) = (cache / "fid_stats").glob("*.npz")
         return path
@@ -115,7 +136,7 @@ def test_damaged_entry_is_quarantined_recomputed_and_reported(kind, mode, clean,
 
     result = _run(cache, tmp_path / "rerun", monkeypatch)
 
-    assert _rates(result) == reference  # the same numbers as the clean run
+    _assert_same_numbers(_rates(result), reference)  # the numbers of the clean run
     assert result.counts["cache_repairs"] == 1
     (note,) = [n for n in result.notes if n.startswith("cache repaired")]
     assert f"{entry_kind} 1" in note
@@ -125,6 +146,10 @@ def test_damaged_entry_is_quarantined_recomputed_and_reported(kind, mode, clean,
     assert any(moved.name in str(p) for p in quarantined)
     healed = _target(cache, kind)  # recomputed in place, and it verifies again
     assert healed.exists()
+    if kind == "image":  # the image the clean run drew, up to a level of rounding
+        original = np.asarray(Image.open(template / healed.relative_to(cache)), dtype=np.int16)
+        moved = np.abs(np.asarray(Image.open(healed), dtype=np.int16) - original)
+        assert moved.max() <= 1 and (moved > 0).mean() < 0.01
     saved = json.loads((tmp_path / "rerun" / "results.json").read_text())
     assert saved["counts"]["cache_repairs"] == 1 and any("cache repaired" in n for n in saved["notes"])
 
@@ -133,13 +158,14 @@ def test_healed_cache_runs_clean_the_second_time(clean, tmp_path, monkeypatch):
     template, reference = clean
     cache = tmp_path / "cache"
     shutil.copytree(template, cache)
-    for kind in ("image", "score", "fid_statistics", "erased_weights"):
+    for kind in ("score", "image", "fid_statistics", "erased_weights"):  # the score reads the intact image
         _damage(cache, kind, "truncate")
     first = _run(cache, tmp_path / "a", monkeypatch)
-    assert first.counts["cache_repairs"] == 4 and _rates(first) == reference
+    assert first.counts["cache_repairs"] == 4
+    _assert_same_numbers(_rates(first), reference)
     second = _run(cache, tmp_path / "b", monkeypatch)
     assert second.counts["cache_repairs"] == 0 and second.counts["images_generated"] == 0
-    assert _rates(second) == reference
+    assert _rates(second) == _rates(first)  # served from the healed cache: exactly the first re-run
 
 
 # ------------------------------------------------------------------ the readers themselves

@@ -182,13 +182,19 @@ def test_advunlearn_changes_only_the_text_encoder_s_layers(base, pipe):
 def test_advunlearn_erased_weights_are_pinned(base, pipe):
     """The text encoder AdvUnlearn erases on the tiny random pipeline (seed 0, one thread),
     summarised as in test_methods_more.delta_summary; recorded from the implementation before
-    its steps were split into functions."""
+    its steps were split into functions.
+
+    The attack in the loop picks tokens by argmax, so float rounding travels further here than
+    in the other pins: two AMD EPYC machines differ by up to 1.9e-3 of |Δ| (ΣΔ -1.1033 against
+    -1.0971), one and two threads on one machine by 3e-5. The tolerance, 1e-2 of |Δ|, stays far
+    below what a real change moves: seed 1, learning rate 1.1e-2 or 3 attack steps instead of 2
+    move the summary by 10.6, 15.9 and 2.3 times |Δ|."""
     from test_methods_more import delta_summary
 
     small_advunlearn().erase(pipe, ["circle"], seed=0, domain=DOMAIN)
     got = delta_summary(pipe, base, "text_encoder")
     ref = [498.73432824341046, -1.1032819872621928, 0.46262679639257076, 3.3099793027487845]
-    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=1e-4, atol=1e-3 * ref[3])
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-2 * ref[3])
 
 
 def test_advunlearn_component_and_layers_restrict_the_edit(base):
