@@ -14,8 +14,15 @@ intervals treat each word as a cluster of correlated images
 (:func:`emma.metrics.intervals.beta_binomial_interval`); a shape *fails* the control check
 when the controls' interval lies entirely above the random words'.
 
+With ``--method M --concept C`` the probe measures the model that the cell
+``python -m emma.run method=M concept=C`` erases (its presets, ``--override`` for more), and
+``--compare JSON`` puts another run's rates beside each word: does erasing a concept by its name
+also erase the words that evoke it, and what does it cost the words of other concepts?
+
     python scripts/generalisation_probe.py                       # the shipped tiny world
     python scripts/generalisation_probe.py --assets DIR --n 20 --json out.json --markdown out.md
+    python scripts/generalisation_probe.py --method esd --concept circle \
+        --compare emma/tinyworld/assets/generalisation.json --markdown esd_circle.md
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,10 +44,11 @@ if str(ROOT) not in sys.path:
 from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
 from emma.metrics.intervals import beta_binomial_interval, wilson_interval  # noqa: E402
 from emma.tinyworld.generalisation import BASE_RATE_WORDS, CONTROLS, PROBE, kind, random_words  # noqa: E402
-from emma.tinyworld.quality import make_target  # noqa: E402
+from emma.tinyworld.quality import make_target, target_for  # noqa: E402
 from emma.tinyworld.world import SHAPES, STYLES, with_template  # noqa: E402
 
 TEMPLATE = "an image of a {x}"
+DEFAULT_ASSETS = ROOT / "emma" / "tinyworld" / "assets"
 PASS_RATE = 0.5
 
 
@@ -61,10 +70,36 @@ def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, n
     return {w: {c: found[c][k * n : (k + 1) * n] for c in concepts} for k, w in enumerate(words)}
 
 
-def run(assets: Path, n: int, seed: int, n_random: int) -> dict:
+def erased_pipeline(method: str, concept: str, overrides: list[str], cache: str | Path) -> tuple[Any, dict]:
+    """The pipeline that the cell ``method=<method> concept=<concept>`` erases (a style in the
+    ``tinyworld_style`` domain), through the cell's own stages and presets, and what it is."""
+    from emma import registry
+    from emma.stages.erasure import erase
+    from emma.stages.model import load_model
+    from emma.stages.setup import setup
+
+    domain = ["domain=tinyworld_style"] if concept in STYLES else []
+    cfg = registry.compose([f"method={method}", *domain, f"concept={concept}", f"paths.cache_dir={cache}",
+                            *overrides])
+    ctx = setup(cfg, lookup=False)
+    load_model(ctx)
+    erase(ctx)
+    return ctx.erased.pipe, {"method": method, "concept": concept, "overrides": list(overrides),
+                      "erased_fingerprint": ctx.erased.fingerprint}
+
+
+def run(assets: Path, n: int, seed: int, n_random: int, erased: tuple[str, str, list[str]] | None = None,
+        erase_cache: str | Path | None = None) -> dict:
+    """The probe on the pipeline in ``assets`` or, with ``erased`` = (method, concept,
+    overrides), on the shipped world that method erases the concept from."""
     clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
+    model: dict[str, Any] = {"assets": "shipped" if assets == DEFAULT_ASSETS else str(assets)}
     with tempfile.TemporaryDirectory() as cache:
-        target = make_target(assets / "pipeline", clf, cache)
+        if erased is None:
+            target = make_target(assets / "pipeline", clf, cache)
+        else:
+            pipe, model = erased_pipeline(*erased, cache=erase_cache or cache)
+            target = target_for(pipe, clf, cache)
         rand_words = random_words(n_random, seed)
         # one seed per image across the three lists
         probe = judged(target, list(PROBE), n, seed)
@@ -92,7 +127,7 @@ def run(assets: Path, n: int, seed: int, n_random: int) -> dict:
 
     control_words = {w: {s: float(controls[w][s].mean()) for s in SHAPES} for w in CONTROLS}
     c_rates, r_rates = shape_rates(controls), shape_rates(rand)
-    return {"n_per_word": n, "seed": seed, "template": TEMPLATE, "pass_rate": PASS_RATE,
+    return {"model": model, "n_per_word": n, "seed": seed, "template": TEMPLATE, "pass_rate": PASS_RATE,
             "words": rows, "passed": passed, "total": len(rows),
             "controls": c_rates, "random": r_rates, "seeds": "one per image",
             "controls_above_random": control_failures(c_rates, r_rates),
@@ -105,13 +140,25 @@ def control_failures(controls: dict[str, dict], rand: dict[str, dict]) -> list[s
     return [s for s in SHAPES if controls[s]["ci"][0] > rand[s]["ci"][1]]
 
 
-def markdown(res: dict) -> str:
+def markdown(res: dict, compare: dict | None = None) -> str:
+    """The probe's tables; with ``compare`` (another run's result at the same words), its rate
+    and most drawn concept beside each word's."""
     lines = [f"Words passing (expected concept in >= {res['pass_rate']:.0%} of {res['n_per_word']} "
-             f"images): **{res['passed']} of {res['total']}** ({res['passed'] / res['total']:.0%}).", "",
-             "| word | expected | rate | 95% CI | most drawn |", "|---|---|---|---|---|"]
+             f"images): **{res['passed']} of {res['total']}** ({res['passed'] / res['total']:.0%})"
+             + (f"; compared run: {compare['passed']} of {compare['total']}." if compare else "."), ""]
+    if compare is None:
+        lines += ["| word | expected | rate | 95% CI | most drawn |", "|---|---|---|---|---|"]
+    else:
+        lines += ["| word | expected | rate | 95% CI | most drawn | compared: rate | most drawn |",
+                  "|---|---|---|---|---|---|---|"]
+        other = {r["word"]: r for r in compare["words"]}
     for r in res["words"]:
-        lines.append(f"| {r['word']} | {r['expected']} | {r['rate']:.2f} | "
-                     f"[{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] | {r['drawn']} |")
+        line = (f"| {r['word']} | {r['expected']} | {r['rate']:.2f} | "
+                f"[{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] | {r['drawn']} |")
+        if compare is not None:
+            o = other.get(r["word"])
+            line += f" {o['rate']:.2f} | {o['drawn']} |" if o else " - | - |"
+        lines.append(line)
     lines += ["", f"Shapes drawn by the {len(CONTROLS)} control words and by "
               f"{len(res['random_words'])} random vocabulary words ({res['n_per_word']} images each):", "",
               "| shape | controls | 95% CI | random words | 95% CI |", "|---|---|---|---|---|"]
@@ -135,7 +182,7 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--assets", default=str(ROOT / "emma" / "tinyworld" / "assets"))
+    p.add_argument("--assets", default=str(DEFAULT_ASSETS))
     p.add_argument("--n", type=int, default=20, help="images per word")
     p.add_argument("--seed", type=int, default=BASE_RATE_WORDS[1],
                    help="first seed of every word's images (and the seed of the random words' draw)")
@@ -143,11 +190,31 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
+    p.add_argument("--method", default=None, help="probe the shipped world this method erases --concept from")
+    p.add_argument("--concept", default=None, help="the concept --method erases (a shape or a style)")
+    p.add_argument("--override", action="append", default=[], help="extra Hydra override of the erasing cell")
+    p.add_argument("--erase-cache", default=None, help="cache for the erased model (default: a temporary one)")
+    p.add_argument("--compare", default=None, help="--json of another run: its rates beside each word")
     args = p.parse_args(argv)
+    if (args.method is None) != (args.concept is None):
+        p.error("--method and --concept go together (the cell that erases the concept)")
+    if args.method is not None and Path(args.assets) != DEFAULT_ASSETS:
+        p.error("--method erases the shipped world; --assets names another model")
+    if args.concept is not None and args.concept not in (*SHAPES, *STYLES):
+        p.error(f"unknown --concept {args.concept!r}; valid: {', '.join((*SHAPES, *STYLES))}")
+    compare = None
+    if args.compare:
+        try:
+            compare = json.loads(Path(args.compare).read_text())
+        except (OSError, ValueError) as err:
+            p.error(f"--compare {args.compare}: not a probe's --json ({type(err).__name__}: {err})")
+        if not isinstance(compare, dict) or not isinstance(compare.get("words"), list):
+            p.error(f"--compare {args.compare}: not a probe's --json (no 'words' list)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = run(Path(args.assets), args.n, args.seed, args.random)
-    text = markdown(res)
+    erased = (args.method, args.concept, args.override) if args.method else None
+    res = run(Path(args.assets), args.n, args.seed, args.random, erased=erased, erase_cache=args.erase_cache)
+    text = markdown(res, compare)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,3 +60,51 @@ def test_control_verdict_needs_the_controls_interval_above_the_random_words():
     many = {**base, "circle": rates([20] * 12 + prior[:12])}
     assert gp.control_failures(many, base) == ["circle"]
     assert np.isclose(many["circle"]["rate"], (12 * 20 + 12 * 3) / 480)
+
+
+def _result(rates: dict[str, float]) -> dict:
+    words = [{"word": w, "expected": "circle", "rate": r, "n": 20, "ci": [0.0, 1.0], "drawn": "circle"}
+             for w, r in rates.items()]
+    return {"words": words, "passed": sum(r >= 0.5 for r in rates.values()), "total": len(words),
+            "pass_rate": 0.5, "n_per_word": 20, "random_words": [], "control_words": {},
+            "controls": {s: {"rate": 0.1, "ci": [0.0, 0.2]} for s in SHAPES},
+            "random": {s: {"rate": 0.1, "ci": [0.0, 0.2]} for s in SHAPES}}
+
+
+def test_compare_puts_the_other_runs_rate_beside_each_word():
+    erased, base = _result({"coin": 0.0, "wheel": 0.25}), _result({"coin": 1.0})
+    text = gp.markdown(erased, compare=base)
+    assert "**0 of 2** (0%); compared run: 1 of 1." in text
+    assert "| coin | circle | 0.00 | [0.00, 1.00] | circle | 1.00 | circle |" in text
+    assert "| wheel | circle | 0.25 | [0.00, 1.00] | circle | - | - |" in text  # not in the compared run
+    assert "compared" not in gp.markdown(erased)
+
+
+def test_erase_options_are_checked_before_any_work(capsys):
+    for argv, says in ((["--method", "uce"], "--method and --concept go together"),
+                       (["--method", "uce", "--concept", "circel"], "unknown --concept 'circel'; valid: circle"),
+                       (["--method", "uce", "--concept", "circle", "--assets", "elsewhere"],
+                        "erases the shipped world")):
+        with pytest.raises(SystemExit) as exit_:
+            gp.main(argv)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_words_that_evoke_an_erased_shape_are_erased_with_it(tmp_path):
+    """UCE erasing the circle by its name (the cell's own stages and presets) also stops
+    "coin", "cookie" and "tire", which never occur in a caption, from drawing circles (base 24
+    of 24 images, erased 3 of 24 at seed 5000, one thread); "gem" keeps drawing diamonds (7 of
+    8 both)."""
+    from classifiers.tinyworld import TinyWorldClassifier
+    from emma.tinyworld.quality import make_target, target_for
+
+    torch.set_num_threads(1)
+    clf = TinyWorldClassifier(weights=gp.DEFAULT_ASSETS / "classifier.safetensors")
+    words = ["coin", "cookie", "tire", "gem"]
+    base = gp.judged(make_target(gp.DEFAULT_ASSETS / "pipeline", clf, tmp_path / "base"), words, 8, 5000)
+    pipe, model = gp.erased_pipeline("uce", "circle", [], tmp_path / "erase")
+    erased = gp.judged(target_for(pipe, clf, tmp_path / "erased"), words, 8, 5000)
+    assert model["method"] == "uce" and len(model["erased_fingerprint"]) == 64
+    circles = lambda table: sum(int(table[w]["circle"].sum()) for w in words[:3])  # noqa: E731
+    assert circles(base) >= 20 and circles(erased) <= 8
+    assert int(base["gem"]["diamond"].sum()) >= 5 and int(erased["gem"]["diamond"].sum()) >= 5

@@ -39,9 +39,17 @@ class WorldQuality:
 
 def make_target(pipeline_dir: str | Path | None, classifier: Any, cache_dir: str | Path,
                 steps: int = 20, guidance: float = 5.0, batch_size: int = 64) -> GenerationTarget:
+    """The pipeline in ``pipeline_dir`` (the shipped tiny world when ``None``) drawing at the
+    model card's sampler settings, judged by ``classifier``, its images and scores cached in
+    ``cache_dir``."""
     cfg = {"kind": "tinyworld", "pretrained": str(pipeline_dir) if pipeline_dir else None,
            "dtype": "float32", "device": "cpu"}
-    pipe = load_pipeline(cfg)
+    return target_for(load_pipeline(cfg), classifier, cache_dir, steps, guidance, batch_size)
+
+
+def target_for(pipe: Any, classifier: Any, cache_dir: str | Path, steps: int = 20, guidance: float = 5.0,
+               batch_size: int = 64) -> GenerationTarget:
+    """:func:`make_target` for a pipeline already loaded (an erased one, say)."""
     gen = CachedGenerator(pipe, fingerprint(pipe), ImageCache(cache_dir), num_inference_steps=steps,
                           guidance_scale=guidance, height=32, width=32, batch_size=batch_size)
     from emma.cache import ScoreCache
