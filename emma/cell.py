@@ -44,6 +44,17 @@ def run_cell(cfg: DictConfig, output_dir: str | Path) -> CellResult:
     return run_stages(setup(cfg), output_dir)
 
 
+def erased_cell(cfg: DictConfig) -> CellContext:
+    """The cell's stages up to its erased model, for tools that need the model a cell erases
+    (a probe, a sample grid, an attack benchmark): set up without the finished-cell lookup,
+    the model loaded, the erasure run or read from the cache. ``ctx.erased.pipe`` is the
+    erased pipeline, ``ctx.generator`` draws with it at the cell's sampler settings."""
+    ctx = setup(cfg, lookup=False)
+    load_model(ctx)
+    erase(ctx)
+    return ctx
+
+
 def run_stages(ctx: CellContext, output_dir: str | Path) -> CellResult:
     """The stages of a cell whose :func:`~emma.stages.setup` has run: a finished cell's stored
     files are copied into ``output_dir``; any other cell runs every stage."""

@@ -86,15 +86,11 @@ def grid(rows: list[dict[str, Any]], overrides: dict[str, list[str]], path: Path
     """Per method: columns of (original, adversarial) pairs on the erased model, same seed."""
     from PIL import Image
 
-    from emma.stages.erasure import erase
-    from emma.stages.model import load_model
-    from emma.stages.setup import setup
+    from emma.cell import erased_cell
 
     lines, strips = [], []
     for method in dict.fromkeys(r["method"] for r in rows):
-        ctx = setup(compose_cell(method, "static", [*overrides[method], "concept=circle"]), lookup=False)
-        load_model(ctx)
-        erase(ctx)
+        ctx = erased_cell(compose_cell(method, "static", [*overrides[method], "concept=circle"]))
         gen = ctx.generator
         pairs = []
         for r in rows:

@@ -130,14 +130,11 @@ def make_target(method: str, overrides: list[str], cache: Path,
     """The cell's attack target for ``method`` erasing ``concept`` on the tiny world, with its
     own cache, and the concept's EA requests."""
     from emma import registry
-    from emma.stages.erasure import erase
-    from emma.stages.model import attack_target, load_model
-    from emma.stages.setup import setup
+    from emma.cell import erased_cell
+    from emma.stages.model import attack_target
 
-    cfg = registry.compose([f"method={method}", f"concept={concept}", f"paths.cache_dir={cache}", *overrides])
-    ctx = setup(cfg, lookup=False)
-    load_model(ctx)
-    erase(ctx)
+    ctx = erased_cell(registry.compose([f"method={method}", f"concept={concept}", f"paths.cache_dir={cache}",
+                                        *overrides]))
     return attack_target(ctx, ctx.generator), ctx.attack_requests
 
 

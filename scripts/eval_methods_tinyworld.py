@@ -128,14 +128,10 @@ def sample_row(method: str, concept: str, cache_dir: str | Path, seed: int = 0) 
     """One grid row (grid_prompts, seeds 0..7) drawn by the model ``method`` erases ``concept``
     from, through the cell's own stages (the erased model comes from the cache the evaluation
     filled; a missing or stale entry is erased again)."""
-    from emma.stages.erasure import erase
-    from emma.stages.model import load_model
-    from emma.stages.setup import setup
+    from emma.cell import erased_cell
 
-    ctx = setup(compose([f"method={method}", *concept_overrides(concept), f"seed={seed}",
-                         f"paths.cache_dir={cache_dir}"]), lookup=False)
-    load_model(ctx)
-    erase(ctx)
+    ctx = erased_cell(compose([f"method={method}", *concept_overrides(concept), f"seed={seed}",
+                               f"paths.cache_dir={cache_dir}"]))
     prompts = grid_prompts(concept)
     images = ctx.generator.generate(prompts, list(range(len(prompts)))).images
     return torch.cat(list(images.float().cpu()), dim=2)

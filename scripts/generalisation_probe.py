@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
+from emma.errors import EmmaError, UnknownChoiceError  # noqa: E402
 from emma.metrics.intervals import beta_binomial_interval, wilson_interval  # noqa: E402
 from emma.tinyworld.generalisation import BASE_RATE_WORDS, CONTROLS, PROBE, kind, random_words  # noqa: E402
 from emma.tinyworld.quality import make_target, target_for  # noqa: E402
@@ -73,17 +74,13 @@ def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, n
 def erased_pipeline(method: str, concept: str, overrides: list[str], cache: str | Path) -> tuple[Any, dict]:
     """The pipeline that the cell ``method=<method> concept=<concept>`` erases (a style in the
     ``tinyworld_style`` domain), through the cell's own stages and presets, and what it is."""
-    from emma import registry
-    from emma.stages.erasure import erase
-    from emma.stages.model import load_model
-    from emma.stages.setup import setup
+    from eval_methods_tinyworld import concept_overrides
 
-    domain = ["domain=tinyworld_style"] if concept in STYLES else []
-    cfg = registry.compose([f"method={method}", *domain, f"concept={concept}", f"paths.cache_dir={cache}",
-                            *overrides])
-    ctx = setup(cfg, lookup=False)
-    load_model(ctx)
-    erase(ctx)
+    from emma import registry
+    from emma.cell import erased_cell
+
+    ctx = erased_cell(registry.compose([f"method={method}", *concept_overrides(concept),
+                                        f"paths.cache_dir={cache}", *overrides]))
     return ctx.erased.pipe, {"method": method, "concept": concept, "overrides": list(overrides),
                       "erased_fingerprint": ctx.erased.fingerprint}
 
@@ -98,7 +95,7 @@ def run(assets: Path, n: int, seed: int, n_random: int, erased: tuple[str, str, 
         if erased is None:
             target = make_target(assets / "pipeline", clf, cache)
         else:
-            pipe, model = erased_pipeline(*erased, cache=erase_cache or cache)
+            pipe, model = erased_pipeline(*erased, cache=cache if erase_cache is None else erase_cache)
             target = target_for(pipe, clf, cache)
         rand_words = random_words(n_random, seed)
         # one seed per image across the three lists
@@ -200,6 +197,11 @@ def main(argv=None) -> None:
         p.error("--method and --concept go together (the cell that erases the concept)")
     if args.method is not None and Path(args.assets) != DEFAULT_ASSETS:
         p.error("--method erases the shipped world; --assets names another model")
+    if args.method is not None:
+        from emma import registry
+
+        if args.method not in registry.choices("method"):
+            p.error(str(UnknownChoiceError("--method", args.method, registry.choices("method"))))
     if args.concept is not None and args.concept not in (*SHAPES, *STYLES):
         p.error(f"unknown --concept {args.concept!r}; valid: {', '.join((*SHAPES, *STYLES))}")
     compare = None
@@ -213,7 +215,10 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     erased = (args.method, args.concept, args.override) if args.method else None
-    res = run(Path(args.assets), args.n, args.seed, args.random, erased=erased, erase_cache=args.erase_cache)
+    try:
+        res = run(Path(args.assets), args.n, args.seed, args.random, erased=erased, erase_cache=args.erase_cache)
+    except EmmaError as err:  # a cell the harness refuses (an unknown method, a bad override)
+        p.exit(2, f"error: {err}\n")
     text = markdown(res, compare)
     print(text)
     if args.json:

@@ -11,6 +11,7 @@ import pytest
 
 from emma import registry
 from emma.errors import ConfigError
+from emma.pipelines import fingerprint
 from tests.conftest import ROOT
 
 FAST = ["model=tiny_random", "classifier=tinyworld", "classifier.weights=null", "metrics=rates_only",
@@ -78,6 +79,11 @@ def test_stages_give_the_cell_that_run_cell_gives(tmp_path, monkeypatch):
     assert ctx.erased.fingerprint == result.versions["model"]["erased_fingerprint"]
     assert ctx.erased.fingerprint != ctx.base_fingerprint
     assert ctx.generator.model_fingerprint == ctx.erased.fingerprint
+    from emma.cell import erased_cell  # the same stages, for tools that need only the erased model
+
+    tool = erased_cell(cfg)
+    assert tool.erased.fingerprint == ctx.erased.fingerprint and tool.finished is None
+    assert fingerprint(tool.erased.pipe) == ctx.erased.fingerprint
     assert [s.__name__ for s in STAGES] == ["load_model", "draw_base_bias", "erase", "draw_suite", "attack",
                                             "rate_metrics", "quality_metrics", "timing_metrics", "record"]
 

@@ -84,7 +84,8 @@ def test_erase_options_are_checked_before_any_work(capsys):
     for argv, says in ((["--method", "uce"], "--method and --concept go together"),
                        (["--method", "uce", "--concept", "circel"], "unknown --concept 'circel'; valid: circle"),
                        (["--method", "uce", "--concept", "circle", "--assets", "elsewhere"],
-                        "erases the shipped world")):
+                        "erases the shipped world"),
+                       (["--method", "ucee", "--concept", "circle"], "unknown --method 'ucee'. Did you mean 'uce'")):
         with pytest.raises(SystemExit) as exit_:
             gp.main(argv)
         assert exit_.value.code == 2 and says in capsys.readouterr().err
