@@ -146,10 +146,10 @@ def test_damaged_entry_is_quarantined_recomputed_and_reported(kind, mode, clean,
     assert any(moved.name in str(p) for p in quarantined)
     healed = _target(cache, kind)  # recomputed in place, and it verifies again
     assert healed.exists()
-    if kind == "image":  # the image the clean run drew, up to a level of rounding
+    if kind == "image":  # the image the clean run drew, up to rounding (a wrong image moves far more)
         original = np.asarray(Image.open(template / healed.relative_to(cache)), dtype=np.int16)
         moved = np.abs(np.asarray(Image.open(healed), dtype=np.int16) - original)
-        assert moved.max() <= 1 and (moved > 0).mean() < 0.01
+        assert moved.max() <= 2 and (moved > 0).mean() < 0.01  # measured: one pixel, one level
     saved = json.loads((tmp_path / "rerun" / "results.json").read_text())
     assert saved["counts"]["cache_repairs"] == 1 and any("cache repaired" in n for n in saved["notes"])
 
