@@ -427,7 +427,9 @@ def text_encoder(work: Path):
     return te
 
 
-PROJ_KEY = "embeddings.token_embedding.proj.weight"
+EMBEDDING = "embeddings.token_embedding"  # the text encoder's token embedding, in its state dict
+PROJ_KEY = f"{EMBEDDING}.proj.weight"  # the lexicon map (a semantic embedding's)
+TABLE_KEY = f"{EMBEDDING}.weight"  # the baked token table (an exported plain embedding's)
 
 
 def widen_lexicon_map(state: dict, te) -> bool:
@@ -460,9 +462,6 @@ def plain_text_encoder(work: Path, state: dict):
     return plain
 
 
-TABLE_KEY = "embeddings.token_embedding.weight"
-
-
 def recover_lexicon_map(state: dict, te) -> float:
     """Turn an exported text encoder's baked token table (in ``state``) back into the lexicon
     map of ``te``'s semantic embedding: the least-squares ``W, b`` with ``features @ W.T + b``
@@ -477,8 +476,8 @@ def recover_lexicon_map(state: dict, te) -> float:
     x = torch.cat([emb.features[rows].double(), torch.ones(int(rows.sum()), 1, dtype=torch.float64)], dim=1)
     sol = torch.linalg.lstsq(x, table[rows].double()).solution
     state[PROJ_KEY] = sol[:-1].T.float()
-    state["embeddings.token_embedding.proj.bias"] = sol[-1].float()
-    state["embeddings.token_embedding.special"] = table[special].float()
+    state[f"{EMBEDDING}.proj.bias"] = sol[-1].float()
+    state[f"{EMBEDDING}.special"] = table[special].float()
     return float((x @ sol - table[rows].double()).abs().max())
 
 
