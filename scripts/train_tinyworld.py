@@ -264,6 +264,151 @@ def build_affinity(args, work: Path):
         f"sharpness {args.affinity_sharpness}, scale {args.affinity_scale}")
 
 
+# --------------------------------------------------------------------------- distilled text encoder
+def distil_corpus(args, tok) -> list[str]:
+    """The texts the frozen text encoder is distilled on (a pure function of the seed): tiny-world
+    captions, and sentences of whole-word fillers (``filler_pool``: never a caption, probe or
+    control word) alone, in the captions' templates and inside captions."""
+    from emma.tinyworld.world import TEMPLATES, with_template
+
+    rng = np.random.default_rng([args.seed, 60])
+    specs = sample_specs(args.distil_sentences, seed=args.seed + 61)
+    words = [tok.decode([i]).strip() for i in filler_pool(tok, words_only=True)]
+    texts = [caption(s, rng, args.object_words) for s in specs]
+    for k in range(args.distil_sentences):
+        form = k % 4
+        pick = lambda n: " ".join(words[j] for j in rng.integers(len(words), size=n))  # noqa: E731
+        if form == 0:
+            texts.append(pick(1))
+        elif form == 1:
+            texts.append(with_template(TEMPLATES[rng.integers(len(TEMPLATES))], pick(1)))
+        elif form == 2:
+            texts.append(pick(int(rng.integers(2, 7))))
+        else:  # a filler word in a caption's place
+            cap = caption(specs[k], rng, args.object_words).split()
+            cap.insert(int(rng.integers(len(cap) + 1)), pick(1))
+            texts.append(" ".join(cap))
+    return texts
+
+
+def distil_targets(texts: list[str], tok, work: Path) -> tuple[list[list[int]], np.ndarray]:
+    """Per text, the index (into the returned MiniLM embeddings) of every prefix of its tokens:
+    position ``i`` of a text's encoding is distilled towards the sentence embedding of its first
+    ``i`` tokens, and the end token and padding towards the whole text's."""
+    from emma.tinyworld import lexicon
+
+    ids = tok(texts, truncation=True, max_length=tok.model_max_length).input_ids
+    prefixes: dict[str, int] = {}
+    rows = []
+    for seq in ids:
+        body = seq[1:-1]
+        row = []
+        for i in range(1, len(body) + 1):
+            row.append(prefixes.setdefault(tok.decode(body[:i]).strip(), len(prefixes)))
+        rows.append(row)
+    unique = list(prefixes)
+    out = work / "distil_targets.npy"
+    key = hashlib_key(unique)
+    if out.exists() and (work / "distil_targets.key").read_text() == key:
+        return rows, np.load(out)
+    model = lexicon._sentence_model()
+    chunks, size = [], 8192
+    chunk_dir = work / "distil_chunks"
+    chunk_dir.mkdir(exist_ok=True)
+    t0 = time.time()
+    for c in range(0, len(unique), size):
+        path = chunk_dir / f"{key}_{c // size:04d}.npy"
+        if not path.exists():
+            emb = model.encode(unique[c : c + size], batch_size=256, normalize_embeddings=True,
+                               convert_to_numpy=True, show_progress_bar=False).astype(np.float32)
+            tmp = path.with_suffix(".tmp.npy")
+            np.save(tmp, emb)
+            os.replace(tmp, path)
+            log(f"distil: {min(c + size, len(unique))}/{len(unique)} prefixes embedded "
+                f"({(time.time() - t0) / 60:.1f} min)")
+        chunks.append(np.load(path))
+    emb = np.concatenate(chunks)
+    tmp = work / "distil_targets.tmp.npy"
+    np.save(tmp, emb)
+    os.replace(tmp, out)
+    (work / "distil_targets.key").write_text(key)
+    return rows, emb
+
+
+def hashlib_key(texts: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+
+
+def train_distil(args, work: Path):
+    """A text encoder that is then frozen (``--frozen-text-encoder``): the tiny world's
+    CLIPTextModel (token embeddings mapped from the lexicon's meanings), trained so that the
+    output at every position predicts, through a linear read-out discarded afterwards, the
+    MiniLM sentence embedding of the text up to that position. Its contexts keep how a thing was
+    said, as a text encoder trained on other text does; the UNet then learns to read the tiny
+    world from them, and an edit of one phrasing's context need not reach the others."""
+    out = work / "distil.pt"
+    if out.exists():
+        log("distil: done, skipping")
+        return
+    tok = local_clip_tokenizer()
+    texts = distil_corpus(args, tok)
+    rows, emb = distil_targets(texts, tok, work)
+    log(f"distil: {len(texts)} texts, {len(emb)} distinct prefixes")
+    torch.manual_seed(args.seed + 62)
+    te = text_encoder(work).to(args.device)
+    head = torch.nn.Linear(te.config.hidden_size, emb.shape[1]).to(args.device)
+    params = list(te.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=args.distil_lr, weight_decay=0.01)
+    target = torch.from_numpy(emb)
+    ids_all = tok(texts, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                  return_tensors="pt").input_ids
+    length = tok.model_max_length
+    index = torch.full((len(texts), length), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        index[r, 1 : 1 + len(row)] = torch.tensor(row, dtype=torch.long)
+        index[r, 1 + len(row):] = row[-1] if row else -1  # end token and padding: the whole text
+    content = torch.zeros(len(texts), length, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        content[r, 1 : 1 + len(row)] = True
+    start, ckpt = 0, work / "distil_ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        te.load_state_dict(state["te"])
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        log(f"distil: resumed at step {start}")
+    t0 = time.time()
+    for step in tqdm(range(start, args.distil_steps), desc="distil", initial=start,
+                     total=args.distil_steps, mininterval=30):
+        lr = args.distil_lr * min(1.0, (step + 1) / 200) * (1 - step / args.distil_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rng = np.random.default_rng([args.seed, 63, step])
+        b = torch.from_numpy(rng.integers(len(texts), size=args.distil_batch))
+        idx = index[b]
+        valid = idx >= 0
+        pred = F.normalize(head(te(ids_all[b].to(args.device))[0]), dim=-1)
+        cos = (pred * target[idx.clamp(min=0)].to(args.device)).sum(-1)
+        is_content = content[b] & valid
+        is_tail = ~content[b] & valid
+        # content positions and the tail (end token + padding) weigh equally per text
+        loss = ((1 - cos) * is_content).sum() / is_content.sum().clamp(min=1) \
+            + ((1 - cos) * is_tail).sum() / is_tail.sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if (step + 1) % args.ckpt_every == 0 or step + 1 == args.distil_steps:
+            atomic_save({"te": te.state_dict(), "head": head.state_dict(), "opt": opt.state_dict(),
+                         "step": step + 1}, ckpt)
+            log(f"distil step {step + 1} loss {loss.item():.4f} "
+                f"({(time.time() - t0) / (step + 1 - start):.3f} s/step)")
+    atomic_save({"te": te.state_dict(), "step": args.distil_steps, "texts": len(texts)}, out)
+
+
 # --------------------------------------------------------------------------- UNet + text
 def train_unet(args, work: Path):
     from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -281,10 +426,22 @@ def train_unet(args, work: Path):
     torch.manual_seed(args.seed + 3)
     unet = UNet2DConditionModel(**arch.UNET_CONFIGS[args.unet]).to(args.device)
     te = text_encoder(work).to(args.device)
+    frozen = args.frozen_text_encoder
+    if frozen:
+        if args.identity_loss:
+            raise SystemExit("--identity-loss trains the text encoder; --frozen-text-encoder keeps it fixed: "
+                             "choose one")
+        if not (work / "distil.pt").exists():
+            raise SystemExit(f"--frozen-text-encoder: {work / 'distil.pt'} is missing; run stage distil first")
+        distilled = torch.load(work / "distil.pt", map_location="cpu", weights_only=False)["te"]
+        te.load_state_dict(distilled)
+        te.requires_grad_(False)
+        te.eval()
     # --identity-loss: a linear read-out that must name each caption token from the encoder's
     # output at its position, so a word's context keeps which word it was, not only its meaning
     head = torch.nn.Linear(te.config.hidden_size, te.config.vocab_size).to(args.device) if args.identity_loss else None
-    params = list(unet.parameters()) + list(te.parameters()) + (list(head.parameters()) if head else [])
+    params = (list(unet.parameters()) + ([] if frozen else list(te.parameters()))
+              + (list(head.parameters()) if head else []))
     log(f"unet: {sum(p.numel() for p in unet.parameters()) / 1e6:.2f}M params, "
         f"text encoder {sum(p.numel() for p in te.parameters()) / 1e6:.2f}M")
     opt = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=0.01)
@@ -299,6 +456,8 @@ def train_unet(args, work: Path):
         # extending a model whose checkpoints are gone. The step count carries on from the
         # export's, so the captions are those a single longer run draws at these steps.
         start = init_from_export(Path(args.init_from), unet, te)
+        if frozen:  # the export's UNet, this work dir's distilled encoder
+            te.load_state_dict(distilled)
         ema = {"unet": copy.deepcopy(unet.state_dict()), "te": copy.deepcopy(te.state_dict())}
         gen.manual_seed(args.seed + 4 + start)
         warm = start
@@ -315,14 +474,18 @@ def train_unet(args, work: Path):
         elif head is not None:  # the read-out starts here: the optimizer's groups changed
             widened = True
         widen_lexicon_map(state["ema"]["te"], te)
-        te.load_state_dict(state["te"])
+        te.load_state_dict(distilled if frozen else state["te"])
         ema = state["ema"]
+        if frozen:  # a run continued with the encoder frozen from here on: the distilled one
+            ema["te"] = copy.deepcopy(te.state_dict())
         gen.set_state(state["gen"])
         start = state["step"]
         warm = state.get("warm_start", 0)
-        if widened:  # the optimizer's moments no longer fit the parameters: fresh ones, a new warm-up
+        refrozen = len(state["opt"]["param_groups"][0]["params"]) != len(params)
+        if widened or refrozen:  # the optimizer's moments no longer fit the parameters: fresh ones, a new warm-up
             warm = start
-            log("unet: the lexicon gained columns or the identity read-out starts; optimizer reset")
+            log("unet: the text encoder is frozen from here; optimizer reset" if refrozen and not widened
+                else "unet: the lexicon gained columns or the identity read-out starts; optimizer reset")
         else:
             opt.load_state_dict(state["opt"])
         log(f"unet: resumed at step {start}")
@@ -367,7 +530,8 @@ def train_unet(args, work: Path):
         noise = torch.randn(lat.shape, generator=gen)
         t = torch.randint(0, sched.config.num_train_timesteps, (len(lat),), generator=gen)
         noisy = sched.add_noise(lat, noise, t)
-        enc = te(ids)[0]
+        with torch.set_grad_enabled(not frozen):
+            enc = te(ids)[0]
         pred = unet(noisy.to(args.device), t.to(args.device), enc).sample
         loss = F.mse_loss(pred, noise.to(args.device))
         if head is not None:
@@ -382,7 +546,7 @@ def train_unet(args, work: Path):
         opt.step()
         decay = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for key, model in (("unet", unet), ("te", te)):
+            for key, model in (("unet", unet),) + ((("te", te),) if not frozen else ()):
                 for name, p in model.state_dict().items():
                     if p.dtype.is_floating_point:
                         ema[key][name].mul_(decay).add_(p.detach(), alpha=1 - decay)
@@ -663,6 +827,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--object-words", type=float, default=0.0,
                    help="fraction of captions that name the shape, and of style phrases that name the "
                         "background, by a thing of that shape or pattern (world.SHAPE_OBJECTS, STYLE_OBJECTS)")
+    p.add_argument("--frozen-text-encoder", action="store_true",
+                   help="train the UNet against the text encoder of stage distil, frozen (as SD's UNet "
+                        "learns against a CLIP encoder trained on other text)")
+    p.add_argument("--distil-sentences", type=int, default=12000,
+                   help="stage distil: captions, and as many filler-word sentences, in its corpus")
+    p.add_argument("--distil-steps", type=int, default=6000)
+    p.add_argument("--distil-batch", type=int, default=128)
+    p.add_argument("--distil-lr", type=float, default=2e-3)
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--init-from", default=None,
@@ -691,7 +863,8 @@ def main(argv=None):
         take_export(Path(args.init_from or args.vae_judge_from), work)
     t0 = time.time()
     stages = {"vae": train_vae, "classifier": train_classifier, "pool": build_pool,
-              "lexicon": build_lexicon, "affinity": build_affinity, "unet": train_unet}
+              "lexicon": build_lexicon, "affinity": build_affinity, "distil": train_distil,
+              "unet": train_unet}
     phases: list[dict] = []
     if args.recipe:
         base, phases = load_recipe(Path(args.recipe), args)
