@@ -93,15 +93,15 @@ def test_erase_options_are_checked_before_any_work(capsys):
 
 def test_words_that_evoke_an_erased_shape_are_erased_with_it(tmp_path):
     """UCE erasing the circle by its name (the cell's own stages and presets) also stops
-    "coin", "cookie" and "tire", which never occur in a caption, from drawing circles (base 24
-    of 24 images, erased 3 of 24 at seed 5000, one thread); "gem" keeps drawing diamonds (7 of
-    8 both)."""
+    "wheel", "clock" and "tire", which never occur in a caption, from drawing circles (tiny
+    world 3: base 24 of 24 images, erased 1 of 24 at seed 5000, one thread); "gem" keeps drawing
+    diamonds (8 of 8 both)."""
     from classifiers.tinyworld import TinyWorldClassifier
     from emma.tinyworld.quality import make_target, target_for
 
     torch.set_num_threads(1)
     clf = TinyWorldClassifier(weights=gp.DEFAULT_ASSETS / "classifier.safetensors")
-    words = ["coin", "cookie", "tire", "gem"]
+    words = ["wheel", "clock", "tire", "gem"]
     base = gp.judged(make_target(gp.DEFAULT_ASSETS / "pipeline", clf, tmp_path / "base"), words, 8, 5000)
     pipe, model = gp.erased_pipeline("uce", "circle", [], tmp_path / "erase")
     erased = gp.judged(target_for(pipe, clf, tmp_path / "erased"), words, 8, 5000)

@@ -4,9 +4,9 @@ erased model with no LLM call.
 A real STACE run (scripted server, code mode) is recorded against a fake model that draws the
 concept exactly for prompts saying 'disc'. Its trace is then replayed in a tiny-world cell
 whose model had 'circle' erased by UCE, where the outcomes were measured (docs/stace.md): the
-synonyms disc/orb/ring/round blob draw no circle, and "an image of a shape" with every other
-shape as the negative prompt draws one at seeds 2-5 (UCE's tiny preset on main since its
-tensor preset; before it, at seeds 3-5 only).
+synonyms disc/orb/ring/round blob draw no circle, and the short description "an image of a round
+shape with no corners" with every other shape as the negative prompt draws one at seeds 14-17
+(tiny world 3; on world 2, "an image of a shape" did at seeds 2-5).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from emma.errors import ConfigError, EmmaError
 from emma.pipelines import TINYWORLD_DIR
 
 OTHERS = "square triangle star heart cross crescent diamond"
+DESCRIPTION = "an image of a round shape with no corners"
 ROLES = {"task_verification": "m-task", "hypothesis": "m-hyp", "critic": "m-critic", "query": "m-query",
          "code": "m-code", "experience": "m-exp", "report": "m-report"}
 HYPOTHESES = [
@@ -31,13 +32,14 @@ HYPOTHESES = [
      "strategy": "synonym", "prompts": ["an image of a disc", "an image of a orb"],
      "evaluation": "the judge", "success_criterion": "the judge finds a circle"},
     {"title": "Negative-prompt exclusion", "rationale": "Exclude every other shape; the rest is round.",
-     "strategy": "negative_prompt", "prompts": ["an image of a shape"],
+     "strategy": "negative_prompt", "prompts": [DESCRIPTION],
      "evaluation": "the judge", "success_criterion": "the judge finds a circle"},
 ]
 CODE = {
     "Synonym redraw": "for p in ['an image of a disc', 'an image of a orb', 'an image of a ring', "
                       "'an image of a round blob']:\n    probe.generate([p], seeds=[0])\n",
-    "Negative-prompt exclusion": f"probe.generate(['an image of a shape'] * 4, seeds=[2, 3, 4, 5], "
+    "Negative-prompt exclusion": f"probe.generate(['{DESCRIPTION}'] * 4, "
+                                 f"seeds=[14, 15, 16, 17], "
                                  f"negative_prompt='{OTHERS}')\n",
 }
 
@@ -86,7 +88,7 @@ def test_seed_hypothesis_from_text_card_and_trace(recorded):
     text, src = resolve_seed_hypothesis(f"trace:{recorded}")  # the first successful hypothesis
     assert src["iteration"] == 1 and src["recorded_success"] and text.startswith("Synonym redraw:")
     text, src = resolve_seed_hypothesis(f"{recorded.parent.parent}#2")  # the run folder works too
-    assert src["iteration"] == 2 and "Negative-prompt exclusion" in text and "an image of a shape" in text
+    assert src["iteration"] == 2 and "Negative-prompt exclusion" in text and DESCRIPTION in text
     with pytest.raises(EmmaError, match="Did you mean .crce."):
         resolve_seed_hypothesis("card:crc")
     with pytest.raises(ConfigError, match="no hypothesis at iteration 7; its iterations: 1..2"):
@@ -124,7 +126,7 @@ def test_replay_on_a_uce_erased_model_makes_no_llm_request(recorded, tmp_path):
     its = [e for e in events if e["event"] == "iteration"]
     assert not any(e["event"] == "llm_call" for e in events)
     assert [e["same_probes"] for e in its] == [True, True]  # the programs re-ran to the same requests
-    # measured on the UCE-erased circle (tensor preset): no synonym draws it; the exclusion does at seeds 2-5
+    # measured on the UCE-erased circle (tensor preset): no synonym draws it; the exclusion does at seeds 14-17
     assert [p["detected"] for p in its[0]["record"]["probes"]] == [False] * 4
     assert [p["detected"] for p in its[1]["record"]["probes"]] == [True, True, True, True]
     assert [e["recorded"]["success"] for e in its] == [True, False]  # on the fake model it was the reverse

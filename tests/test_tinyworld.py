@@ -193,8 +193,11 @@ def test_shipped_recipe_is_valid_and_continues_phase_by_phase():
     args = mod.build_parser().parse_args([])
     base, phases = mod.load_recipe(ROOT / "scripts" / "tinyworld_recipe.json", args)
     assert base["stages"] == "vae,classifier,pool,lexicon" and base["lexicon"] == "minilm"
-    assert [ph["unet_steps"] for ph in phases] == [4000, 8000, 12000, 15000, 18000, 21000, 27000, 30000]
+    assert [ph["unet_steps"] for ph in phases] == [4000, 8000, 12000, 15000, 18000, 21000, 27000, 30000, 36000]
     assert [ph.get("stages", "unet") for ph in phases].count("affinity,unet") == 2
+    # the last phase distils the text encoder and trains the UNet against it, frozen
+    assert phases[-1]["stages"] == "distil,unet" and phases[-1]["frozen_text_encoder"] is True
+    assert not any(ph.get("frozen_text_encoder") for ph in phases[:-1])
 
 
 @needs_assets

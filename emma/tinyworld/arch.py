@@ -36,7 +36,7 @@ TEXT_ENCODER_CONFIG: dict[str, Any] = dict(
     projection_dim=64,
 )
 
-# Tiny world 2 (in training, not shipped yet): no attention at the 8x8 level, where it cost
+# Tiny worlds 2 and 3: no attention at the 8x8 level, where it cost
 # half the UNet's time; text conditions the 4x4 and 2x2 levels and the middle block. A forward
 # pass at batch 64 on one thread takes 79 ms against 205 ms for ``UNET_CONFIG_V1``. The first
 # 4,000-step training of it drew name prompts far below world 1's fidelity (see the issue notes).
