@@ -291,6 +291,34 @@ def test_model_card_lists_the_recipe_phases_and_what_each_changed():
     assert eval_tinyworld.phase_table({"args": {}}) == "(one phase: the arguments in training.json)"
 
 
+@needs_assets
+def test_card_only_rewrites_the_card_from_stored_measurements(tmp_path):
+    """``--card-only`` measures nothing: the card's tables are the stored quality and probe
+    files' numbers; without them it refuses in one line."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import eval_tinyworld
+
+    assets = tmp_path / "assets"
+    shutil.copytree(ASSETS, assets)
+    quality = json.loads((assets / "quality.json").read_text())
+    quality["shapes"]["circle"] = {"name": 0.123, "variant": 0.456, "short": 0.789, "long": 0.5}
+    (assets / "quality.json").write_text(json.dumps(quality))
+    (assets / "README.md").unlink()
+    eval_tinyworld.main(["--assets", str(assets), "--card-only", "--wall-time", "a while"])
+    card = (assets / "README.md").read_text()
+    assert "| circle | 0.12 | 0.46 | 0.79 | 0.50 |" in card and "Wall time: a while." in card
+    assert ("below target in 3 of the measured rates:** circle name 0.12 (target 0.93); circle variant 0.46 "
+            "(target 0.70); circle long 0.50 (target 0.70).") in card
+    probe = json.loads((assets / "generalisation.json").read_text())
+    assert f"**{probe['passed']} of {probe['total']}**" in card
+    assert "| 9 | 30000 -> 36000 | stages=distil,unet" in card
+    (assets / "generalisation.json").unlink()
+    with pytest.raises(SystemExit, match="has no generalisation.json; run without --card-only first"):
+        eval_tinyworld.main(["--assets", str(assets), "--card-only"])
+
+
 def test_affinity_stage_skips_same_settings_and_refits_changed_ones(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("train_tinyworld", ROOT / "scripts" / "train_tinyworld.py")
     mod = importlib.util.module_from_spec(spec)
