@@ -1,4 +1,5 @@
-"""Train the tiny world: VAE -> classifier -> latent pool -> UNet + text encoder -> export.
+"""Train the tiny world: VAE -> classifier -> latent pool -> lexicon (-> affinity) -> UNet + text
+encoder (-> a distilled text encoder, frozen while the UNet continues) -> export.
 
 Deterministic (every random draw comes from the seed and the step number) and resumable:
 each stage writes its result into ``--work-dir`` atomically and is skipped when present;
@@ -308,7 +309,7 @@ def distil_targets(texts: list[str], tok, work: Path) -> tuple[list[list[int]], 
         rows.append(row)
     unique = list(prefixes)
     out = work / "distil_targets.npy"
-    key = hashlib_key(unique)
+    key = texts_key(unique)
     if out.exists() and (work / "distil_targets.key").read_text() == key:
         return rows, np.load(out)
     model = lexicon._sentence_model()
@@ -335,7 +336,8 @@ def distil_targets(texts: list[str], tok, work: Path) -> tuple[list[list[int]], 
     return rows, emb
 
 
-def hashlib_key(texts: list[str]) -> str:
+def texts_key(texts: list[str]) -> str:
+    """A short content key of ``texts`` (their order included)."""
     import hashlib
 
     return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
