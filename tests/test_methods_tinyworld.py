@@ -249,3 +249,26 @@ def test_the_settings_line_keeps_a_per_domain_mapping_whole():
     assert values["concept_templates"] == both and values["iterations"] == 150
     shapes_only = {"tinyworld": "an image of a {}", "object": "a photo of a {}"}
     assert ev.preset_values("advunlearn", {"concept_templates": shapes_only})["concept_templates"] == "an image of a {}"
+
+
+def test_esd_x_leaves_the_circle_in_its_long_descriptions(tmp_path):
+    """EMMA's implicit-prompt finding on the shipped world (its frozen, distilled text encoder):
+    ESD-x erasing the circle by name removes it from the name prompt but not from the suite's
+    long descriptions. ``python -m emma.run method=esd concept=circle prompt_types=[name,long]``
+    at seed 0 measured EA name 1.00 and EA long 0.25 (15 of 20 images still show the circle) at
+    one and at two threads; on tiny world 2 both were 1.00."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, run_env
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "emma.run", "method=esd", "concept=circle", "prompt_types=[name,long]",
+         "metrics=rates_only", "threads=1", f"hydra.run.dir={out}"],
+        cwd=ROOT, env=run_env(tmp_path / "cache"), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((out / "results.json").read_text())["metrics"]
+    assert metrics["ea/name"]["value"] >= 0.9
+    assert metrics["ea/long"]["value"] <= 0.6 and metrics["ea/long"]["n"] == 20
