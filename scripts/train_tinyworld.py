@@ -310,7 +310,8 @@ def distil_targets(texts: list[str], tok, work: Path) -> tuple[list[list[int]], 
     unique = list(prefixes)
     out = work / "distil_targets.npy"
     key = texts_key(unique)
-    if out.exists() and (work / "distil_targets.key").read_text() == key:
+    stamp = work / "distil_targets.key"
+    if out.exists() and stamp.exists() and stamp.read_text() == key:
         return rows, np.load(out)
     model = lexicon._sentence_model()
     chunks, size = [], 8192
@@ -332,7 +333,7 @@ def distil_targets(texts: list[str], tok, work: Path) -> tuple[list[list[int]], 
     tmp = work / "distil_targets.tmp.npy"
     np.save(tmp, emb)
     os.replace(tmp, out)
-    (work / "distil_targets.key").write_text(key)
+    stamp.write_text(key)
     return rows, emb
 
 
@@ -351,6 +352,14 @@ def train_distil(args, work: Path):
     said, as a text encoder trained on other text does; the UNet then learns to read the tiny
     world from them, and an edit of one phrasing's context need not reach the others."""
     out = work / "distil.pt"
+    settings = {k: getattr(args, k) for k in ("seed", "distil_sentences", "distil_steps", "distil_batch",
+                                               "distil_lr", "object_words")}
+    for path in (out, work / "distil_ckpt.pt"):
+        if path.exists():
+            done = torch.load(path, map_location="cpu", weights_only=False).get("settings")
+            if done != settings:  # never reuse a distillation made with other settings
+                raise SystemExit(f"distil: {path} was made with {done}, not {settings}; remove it (and "
+                                 "distil.pt) to distil again, or keep its settings")
     if out.exists():
         log("distil: done, skipping")
         return
@@ -368,11 +377,10 @@ def train_distil(args, work: Path):
                   return_tensors="pt").input_ids
     length = tok.model_max_length
     index = torch.full((len(texts), length), -1, dtype=torch.long)
+    content = torch.zeros(len(texts), length, dtype=torch.bool)
     for r, row in enumerate(rows):
         index[r, 1 : 1 + len(row)] = torch.tensor(row, dtype=torch.long)
         index[r, 1 + len(row):] = row[-1] if row else -1  # end token and padding: the whole text
-    content = torch.zeros(len(texts), length, dtype=torch.bool)
-    for r, row in enumerate(rows):
         content[r, 1 : 1 + len(row)] = True
     start, ckpt = 0, work / "distil_ckpt.pt"
     if ckpt.exists():
@@ -405,10 +413,10 @@ def train_distil(args, work: Path):
         opt.step()
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.distil_steps:
             atomic_save({"te": te.state_dict(), "head": head.state_dict(), "opt": opt.state_dict(),
-                         "step": step + 1}, ckpt)
+                         "step": step + 1, "settings": settings}, ckpt)
             log(f"distil step {step + 1} loss {loss.item():.4f} "
                 f"({(time.time() - t0) / (step + 1 - start):.3f} s/step)")
-    atomic_save({"te": te.state_dict(), "step": args.distil_steps, "texts": len(texts)}, out)
+    atomic_save({"te": te.state_dict(), "step": args.distil_steps, "texts": len(texts), "settings": settings}, out)
 
 
 # --------------------------------------------------------------------------- UNet + text

@@ -108,6 +108,10 @@ def test_the_unet_continues_against_the_frozen_distilled_encoder(tmp_path):
     # a rerun skips the finished distillation; the identity read-out is refused with a frozen encoder
     again = run("--stages", "distil", "--unet-steps", "4")
     assert again.returncode == 0 and "distil: done, skipping" in again.stdout
+    # a distillation made with other settings is never reused: refused in one line, before any work
+    other = run("--stages", "distil", "--unet-steps", "4", "--distil-steps", "5")
+    assert other.returncode != 0 and "distil.pt was made with" in other.stderr.strip().splitlines()[-1]
+    assert "'distil_steps': 4" in other.stderr and "'distil_steps': 5" in other.stderr
     both = run("--stages", "unet", "--unet-steps", "6", "--frozen-text-encoder", "--identity-loss", "0.1")
     assert both.returncode != 0
     assert both.stderr.strip().splitlines()[-1] == (
