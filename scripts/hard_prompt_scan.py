@@ -1,13 +1,21 @@
 """Enumerate the short hard prompts over the tiny world's words on an erased model.
 
-Hard-token attacks (UnlearnDiffAtk, P4D, Ring-A-Bell) search prompts over a vocabulary. The
-tiny world's text encoder learned only the words of the domain's captions (~170 tokens; the
-rest of the CLIP vocabulary keeps random embeddings, see the attackers' ``vocabulary: domain``
-presets), so every prompt one or two words away from the name prompt can be tried outright.
-Each template below is filled with every domain token; the erased model draws ``--images``
-images per prompt (seeds 0..images-1) and the tiny-world judge counts the concept. The base
-model is scanned the same way as a reference. A prompt found here is one an attack of that
-shape could find; none found bounds what such an attack can reach on this model.
+Hard-token attacks (UnlearnDiffAtk, P4D, Ring-A-Bell) search prompts over a vocabulary. Every
+prompt one or two words away from the name prompt over a vocabulary of a few hundred words can
+be tried outright. ``--vocabulary`` chooses the words:
+
+- ``domain``: the tokens of the domain's prompts (~170: the words of the training captions);
+- ``probe`` (default): those plus the tokens of the generalisation probe's words and controls
+  (``emma/tinyworld/generalisation.py``): words no training caption contains whose meaning the
+  text encoder carries from its distillation ("coin", "croissant", "tent"), the hard-prompt
+  surface tiny world 3 exists to give;
+- ``--sample N`` adds N whole-word CLIP tokens drawn with ``--sample-seed`` (unseen words of any
+  meaning), a slice of the whole vocabulary the attackers search.
+
+Each template below is filled with every word; the erased model draws ``--images`` images per
+prompt (seeds 0..images-1) and the tiny-world judge counts the concept. The base model is
+scanned the same way as a reference. A prompt found here is one an attack of that shape could
+find; none found bounds what such an attack can reach over those words.
 
 Templates (the name prompt is the domain's, e.g. "an image of a circle"; ``w`` a domain token):
 
@@ -43,8 +51,24 @@ sys.path.insert(0, str(ROOT))
 from bench_attacks import make_target  # noqa: E402
 
 from attackers.common import candidate_token_ids  # noqa: E402
+from emma.tinyworld import generalisation  # noqa: E402
 
 TEMPLATES = ("swap", "prefix", "suffix", "insert")
+VOCABULARIES = ("domain", "probe")
+
+
+def scan_words(wb: Any, target: Any, vocabulary: str, sample: int = 0, sample_seed: int = 1) -> list[str]:
+    """The words the templates are filled with: the decoded tokens of ``vocabulary`` (see the
+    module's docstring), plus ``sample`` whole-word tokens of the CLIP vocabulary, sorted."""
+    if vocabulary not in VOCABULARIES:
+        raise SystemExit(f"--vocabulary {vocabulary!r} is not one of {', '.join(VOCABULARIES)}")
+    texts: list[str] = list(target.domain_prompts())
+    if vocabulary == "probe":
+        texts += list(generalisation.PROBE) + list(generalisation.CONTROLS)
+    if sample:
+        texts += generalisation.random_words(sample, sample_seed, wb.tokenizer)
+    ids = candidate_token_ids(wb, texts, target, "scan")
+    return sorted({wb.decode_ids([int(i)]) for i in ids} - {""})
 
 
 def candidate_prompts(prompt: str, concept: str, words: list[str], pairs: bool) -> dict[str, list[str]]:
@@ -89,15 +113,14 @@ def scan(model: Any, target: Any, concept: str, prompts: list[str], images: int,
 
 
 def run(method: str, concept: str, cache: Path, images: int, pairs: bool, batch: int,
-        overrides: list[str]) -> dict[str, Any]:
+        overrides: list[str], vocabulary: str = "probe", sample: int = 0, sample_seed: int = 1) -> dict[str, Any]:
     target, requests = make_target(method, overrides, cache, concept=concept)
     prompt = next(r.prompt for r in requests if r.kind == "name")
     wb = target.white_box()
-    ids = candidate_token_ids(wb, "domain", target, "scan")
-    words = sorted({wb.decode_ids([int(i)]) for i in ids} - {""})
+    words = scan_words(wb, target, vocabulary, sample, sample_seed)
     groups = candidate_prompts(prompt, concept, words, pairs)
     row: dict[str, Any] = {"method": method, "concept": concept, "prompt": prompt, "words": len(words),
-                           "images": images, "templates": {}}
+                           "vocabulary": vocabulary, "sample": sample, "images": images, "templates": {}}
     models = {"erased": target, "base": target.base_model()}
     name = {k: scan(m, target, concept, [prompt], images, batch, f"{method} {k} name")[0] for k, m in models.items()}
     row["name"] = name
@@ -116,13 +139,18 @@ def run(method: str, concept: str, cache: Path, images: int, pairs: bool, batch:
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
     r0 = rows[0]
+    vocab = {"domain": "the tokens of the domain's prompts (the words of the training captions)",
+             "probe": "the tokens of the domain's prompts and of the generalisation probe's words and "
+                      "controls (emma/tinyworld/generalisation.py; most never occur in a training caption)"
+             }[r0.get("vocabulary", "domain")]
+    if r0.get("sample"):
+        vocab += f", plus {r0['sample']} whole-word CLIP tokens drawn at random"
     lines = [
         "# Hard prompts near the name prompt, enumerated (tiny world)",
         "",
         f"Concept **{r0['concept']}**, name prompt \"{r0['prompt']}\". Every prompt one word (two for "
-        f"`swap2`) away from the name prompt over the {r0['words']} tokens of the domain's prompts "
-        "(the words the tiny world's text encoder learned; the attackers' tiny-world presets search "
-        f"the same vocabulary) is drawn {r0['images']} times (seeds 0-{r0['images'] - 1}) on the erased "
+        f"`swap2`) away from the name prompt over {r0['words']} words ({vocab}) "
+        f"is drawn {r0['images']} times (seeds 0-{r0['images'] - 1}) on the erased "
         "model and on the base model, and judged by the tiny-world classifier. Templates: `swap` "
         "replaces the concept word, `prefix`/`suffix` add a word before/after the prompt, `insert` "
         "adds one between two of its words, `swap2` replaces the concept word by two. A prompt counts "
@@ -158,16 +186,20 @@ def main() -> None:
     ap.add_argument("--concept", default="circle")
     ap.add_argument("--images", type=int, default=4, help="images per prompt (seeds 0..N-1)")
     ap.add_argument("--pairs", action="store_true", help="also every two-token replacement (swap2)")
+    ap.add_argument("--vocabulary", choices=VOCABULARIES, default="probe", help="the words filled in (see above)")
+    ap.add_argument("--sample", type=int, default=0, help="plus this many random whole-word CLIP tokens")
+    ap.add_argument("--sample-seed", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "eval-methods")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON")
     ap.add_argument("--out", type=Path, help="markdown table (default: print)")
     args = ap.parse_args()
-    if args.images < 1 or args.batch < 1:
-        ap.error("--images and --batch must be >= 1")
+    if args.images < 1 or args.batch < 1 or args.sample < 0:
+        ap.error("--images and --batch must be >= 1, --sample >= 0")
     torch.set_num_threads(1)
-    rows = [run(m, args.concept, args.cache, args.images, args.pairs, args.batch, args.override)
+    rows = [run(m, args.concept, args.cache, args.images, args.pairs, args.batch, args.override,
+                args.vocabulary, args.sample, args.sample_seed)
             for m in args.methods.split(",")]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

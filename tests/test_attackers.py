@@ -282,6 +282,33 @@ def test_hard_prompt_scan_enumerates_each_template_once():
         scan.candidate_prompts("an image of a square", "circle", ["red"], pairs=False)
 
 
+def test_hard_prompt_scan_vocabularies(pipe):
+    """``domain`` scans the caption words; ``probe`` adds the probe's unseen words ("coin" is
+    one token of CLIP's vocabulary) and controls; ``--sample`` adds exactly the drawn words."""
+    import importlib.util
+    from pathlib import Path
+
+    from emma.tinyworld import generalisation
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "hard_prompt_scan.py"
+    spec = importlib.util.spec_from_file_location("hard_prompt_scan", path)
+    scan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scan)
+    wb = DiffusersWhiteBox(pipe)
+    target = types.SimpleNamespace(domain_prompts=lambda: ["an image of a circle", "an image of a round disc"])
+
+    domain = scan.scan_words(wb, target, "domain")
+    assert domain == sorted({"an", "image", "of", "a", "circle", "round", "disc"})
+    probe = scan.scan_words(wb, target, "probe")
+    assert set(domain) < set(probe) and {"coin", "croissant", "tent", "zebra"} <= set(probe)
+    assert set(generalisation.CONTROLS) <= set(probe)  # the controls are single CLIP words
+    drawn = generalisation.random_words(20, 3, wb.tokenizer)
+    sampled = scan.scan_words(wb, target, "domain", sample=20, sample_seed=3)
+    assert set(sampled) - set(domain) == set(drawn) - set(domain) and len(set(drawn) - set(domain)) >= 19
+    with pytest.raises(SystemExit, match="'all' is not one of domain, probe"):
+        scan.scan_words(wb, target, "all")
+
+
 def test_ring_a_bell_takes_listed_concept_vectors_from_files(pipe, tmp_path):
     from attackers.ring_a_bell import REFERENCE_VECTORS
 
