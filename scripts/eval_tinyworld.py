@@ -168,19 +168,20 @@ first long description of the suite, 0.59 with "an image of a disc" and 0.52 wit
 coin", against 0.47 with the square's name (the jointly trained encoder of phases 1-8 gave 0.98,
 0.96, 0.99, 0.99 and 0.90). So an edit keyed on the name's context reaches its phrasings only in part, as on
 Stable Diffusion: ESD-x erasing the circle (`python -m emma.run method=esd concept=circle
-images_per_prompt=20 metrics=rates_only`) scores EA 1.00 on the name, 0.75 [0.50, 0.90] on
-synonyms, 0.70 [0.33, 0.95] on short and 0.23 [0.05, 0.66] on long descriptions, which is EMMA's
+images_per_prompt=20 metrics=rates_only`) scores EA 1.00 on the name, 0.56 [0.27, 0.79] on
+synonyms, 0.48 [0.20, 0.83] on short and 0.15 [0.01, 0.67] on long descriptions, which is EMMA's
 finding that erased models still draw a concept from its descriptions. Before the ninth phase it
 scored 1.00 on every prompt type.
 
 Single words it never saw go with the name. Measured with the probe on the erased model
 (`python scripts/generalisation_probe.py --method esd --concept circle --compare
-emma/tinyworld/assets/generalisation.json`, 20 images per word, one thread), 7 of the 8 unseen
-words that drew the circle stop: coin 0.65 -> 0.00, wheel 0.95 -> 0.00, clock 0.95 -> 0.10, tire
-1.00 -> 0.10, globe 0.95 -> 0.40 (plate stays at 0.55). The other shapes' words keep their shapes
-(56 of 83 words pass against 60; before the ninth phase, stamp, napkin, kiss and passion lost
-theirs). Context cosine alone does not say which phrasings an edit reaches: the coin is further
-from the name than the short description is, and is erased where the description is not.
+emma/tinyworld/assets/generalisation.json`, 20 images per word, one thread), 6 of the 8 unseen
+words that drew the circle stop: coin 0.65 -> 0.00, wheel 0.95 -> 0.15, ball 0.70 -> 0.15, donut
+0.90 -> 0.10, clock 0.95 -> 0.20, tire 1.00 -> 0.20 (globe falls to 0.65, plate stays at 0.50).
+The other shapes' words keep their shapes (57 of 83 words pass against 60; no word of another
+shape stops, and stamp, swiss flag and leopard cross 0.5 upwards). Context cosine alone does
+not say which phrasings an edit reaches: the coin is further from the name than the short
+description is, and is erased where the description is not.
 """
 
 

@@ -106,7 +106,7 @@ def test_presets_follow_the_model():
     line overrides either."""
     tiny = ev.compose(["method=esd"]).method
     sd = ev.compose(["method=esd", "model=sd14"]).method
-    assert (tiny.iterations, tiny.learning_rate) == (300, 6.0e-4)
+    assert (tiny.iterations, tiny.learning_rate) == (300, 1.0e-3)
     assert (sd.iterations, sd.learning_rate) == (1000, 1.0e-5)
     assert ev.compose(["method=esd", "method.iterations=7"]).method.iterations == 7
 
@@ -255,8 +255,8 @@ def test_esd_x_leaves_the_circle_in_its_long_descriptions(tmp_path):
     """EMMA's implicit-prompt finding on the shipped world (its frozen, distilled text encoder):
     ESD-x erasing the circle by name removes it from the name prompt but not from the suite's
     long descriptions. ``python -m emma.run method=esd concept=circle prompt_types=[name,long]``
-    at seed 0 measured EA name 1.00 and EA long 0.25 (15 of 20 images still show the circle) at
-    one and at two threads; on tiny world 2 both were 1.00."""
+    at seed 0 measured EA name 1.00 and EA long 0.20 (16 of 20 images still show the circle) at
+    one thread, 0.90 and 0.25 at two; on tiny world 2 both were 1.00."""
     import json
     import subprocess
     import sys
@@ -270,5 +270,5 @@ def test_esd_x_leaves_the_circle_in_its_long_descriptions(tmp_path):
         cwd=ROOT, env=run_env(tmp_path / "cache"), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = json.loads((out / "results.json").read_text())["metrics"]
-    assert metrics["ea/name"]["value"] >= 0.9
+    assert metrics["ea/name"]["value"] >= 0.8
     assert metrics["ea/long"]["value"] <= 0.6 and metrics["ea/long"]["n"] == 20
