@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -237,7 +238,8 @@ def main(argv=None) -> None:
     p.add_argument("--guidance", type=float, default=5.0, help="guidance of the measured images")
     p.add_argument("--guidance-sweep", default="2,3,4,5,7.5",
                    help="comma-separated guidance scales for the card's name-prompt sweep ('' to skip)")
-    p.add_argument("--wall-time", default="see training.json")
+    p.add_argument("--wall-time", default=None,
+                   help="the card's training wall time (default: the card's own, else 'see training.json')")
     p.add_argument("--command", default="python scripts/train_tinyworld.py --threads 1 "
                    "--recipe scripts/tinyworld_recipe.json --export emma/tinyworld/assets")
     p.add_argument("--probe-n", type=int, default=20, help="images per word of the generalisation probe (0: skip)")
@@ -294,6 +296,13 @@ def measured(assets: Path) -> tuple:
     return q, sweep, probe, pipe
 
 
+def stored_wall_time(assets: Path) -> str:
+    """The wall time the folder's card states (a rewritten card keeps it), else a pointer."""
+    card = assets / "README.md"
+    found = re.search(r"Wall time: (.+?)\.\n\n", card.read_text(), re.S) if card.exists() else None
+    return found.group(1) if found else "see training.json"
+
+
 def write_card(args, assets: Path, clf, q, sweep: dict, probe: dict | None, pipe) -> None:
     """Write ``assets/README.md`` from the measurements."""
     import generalisation_probe
@@ -303,7 +312,7 @@ def write_card(args, assets: Path, clf, q, sweep: dict, probe: dict | None, pipe
     count = lambda m: sum(x.numel() for x in m.parameters()) / 1e6  # noqa: E731
     card = CARD.format(
         te_params=count(pipe.text_encoder), unet_params=count(pipe.unet), vae_params=count(pipe.vae),
-        clf_params=count(clf.net), command=args.command, wall_time=args.wall_time,
+        clf_params=count(clf.net), command=args.command, wall_time=args.wall_time or stored_wall_time(assets),
         vae_steps=targs["vae_steps"], vae_batch=targs["vae_batch"], clf_steps=targs["clf_steps"],
         unet_steps=training.get("unet_steps_trained", targs["unet_steps"]), unet_batch=targs["unet_batch"],
         unet_lr=targs["unet_lr"], ema=targs["ema"], pool_size=targs["pool_size"],

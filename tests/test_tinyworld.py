@@ -314,6 +314,8 @@ def test_card_only_rewrites_the_card_from_stored_measurements(tmp_path):
     probe = json.loads((assets / "generalisation.json").read_text())
     assert f"**{probe['passed']} of {probe['total']}**" in card
     assert "| 9 | 30000 -> 36000 | stages=distil,unet" in card
+    eval_tinyworld.main(["--assets", str(assets), "--card-only"])  # a rewrite keeps the card's wall time
+    assert "Wall time: a while." in (assets / "README.md").read_text()
     (assets / "generalisation.json").unlink()
     with pytest.raises(SystemExit, match="has no generalisation.json; run without --card-only first"):
         eval_tinyworld.main(["--assets", str(assets), "--card-only"])
