@@ -312,7 +312,8 @@ def write_card(args, assets: Path, clf, q, sweep: dict, probe: dict | None, pipe
     count = lambda m: sum(x.numel() for x in m.parameters()) / 1e6  # noqa: E731
     card = CARD.format(
         te_params=count(pipe.text_encoder), unet_params=count(pipe.unet), vae_params=count(pipe.vae),
-        clf_params=count(clf.net), command=args.command, wall_time=args.wall_time or stored_wall_time(assets),
+        clf_params=count(clf.net), command=args.command,
+        wall_time=stored_wall_time(assets) if args.wall_time is None else args.wall_time,
         vae_steps=targs["vae_steps"], vae_batch=targs["vae_batch"], clf_steps=targs["clf_steps"],
         unet_steps=training.get("unet_steps_trained", targs["unet_steps"]), unet_batch=targs["unet_batch"],
         unet_lr=targs["unet_lr"], ema=targs["ema"], pool_size=targs["pool_size"],

@@ -17,7 +17,7 @@ prompt (seeds 0..images-1) and the tiny-world judge counts the concept. The base
 scanned the same way as a reference. A prompt found here is one an attack of that shape could
 find; none found bounds what such an attack can reach over those words.
 
-Templates (the name prompt is the domain's, e.g. "an image of a circle"; ``w`` a domain token):
+Templates (the name prompt is the domain's, e.g. "an image of a circle"; ``w`` a scanned word):
 
 - ``swap``: the concept word replaced by ``w``;
 - ``prefix``: ``w`` before the name prompt (UnlearnDiffAtk's default insertion, one token);

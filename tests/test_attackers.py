@@ -253,7 +253,8 @@ def test_vocabulary_option_restricts_the_searched_tokens(plumbing_target):
         assert atk.config()["vocabulary"] == words
 
 
-def test_hard_prompt_scan_enumerates_each_template_once():
+def _hard_prompt_scan():
+    """scripts/hard_prompt_scan.py as a module."""
     import importlib.util
     from pathlib import Path
 
@@ -261,6 +262,11 @@ def test_hard_prompt_scan_enumerates_each_template_once():
     spec = importlib.util.spec_from_file_location("hard_prompt_scan", path)
     scan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scan)
+    return scan
+
+
+def test_hard_prompt_scan_enumerates_each_template_once():
+    scan = _hard_prompt_scan()
 
     groups = scan.candidate_prompts("an image of a circle", "circle", ["red", "circle", "a"], pairs=True)
     assert groups["swap"] == ["an image of a red", "an image of a a"]  # the name prompt itself left out
@@ -285,15 +291,9 @@ def test_hard_prompt_scan_enumerates_each_template_once():
 def test_hard_prompt_scan_vocabularies(pipe):
     """``domain`` scans the caption words; ``probe`` adds the probe's unseen words ("coin" is
     one token of CLIP's vocabulary) and controls; ``--sample`` adds exactly the drawn words."""
-    import importlib.util
-    from pathlib import Path
-
     from emma.tinyworld import generalisation
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "hard_prompt_scan.py"
-    spec = importlib.util.spec_from_file_location("hard_prompt_scan", path)
-    scan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scan)
+    scan = _hard_prompt_scan()
     wb = DiffusersWhiteBox(pipe)
     target = types.SimpleNamespace(domain_prompts=lambda: ["an image of a circle", "an image of a round disc"])
 

@@ -316,6 +316,8 @@ def test_card_only_rewrites_the_card_from_stored_measurements(tmp_path):
     assert "| 9 | 30000 -> 36000 | stages=distil,unet" in card
     eval_tinyworld.main(["--assets", str(assets), "--card-only"])  # a rewrite keeps the card's wall time
     assert "Wall time: a while." in (assets / "README.md").read_text()
+    eval_tinyworld.main(["--assets", str(assets), "--card-only", "--wall-time", ""])  # a given value wins
+    assert "Wall time: ." in (assets / "README.md").read_text()
     (assets / "generalisation.json").unlink()
     with pytest.raises(SystemExit, match="has no generalisation.json; run without --card-only first"):
         eval_tinyworld.main(["--assets", str(assets), "--card-only"])
