@@ -95,11 +95,16 @@ def test_each_method_erases_the_circle(cache, base, method):
     assert row.ra_random >= ra_floor * base.ra_random, row
 
 
-def test_esd_strength_presets_rise_with_the_number():
-    """ESD-100/200/500 keep their meaning on the tiny world: more iterations, same rate."""
-    iters = {k: ev.compose([f"method=esd_{k}"]).method for k in (100, 200, 500)}
-    assert [iters[k].iterations for k in (100, 200, 500)] == [100, 200, 500]
-    assert len({(m.learning_rate, m.ddim_steps, m.train_method) for m in iters.values()}) == 1
+@pytest.mark.parametrize("domain", [[], ["domain=tinyworld_style", "concept=striped"]], ids=["shapes", "styles"])
+def test_esd_strength_presets_rise_with_the_number(domain):
+    """ESD-100/200/500 keep their meaning on the tiny world: the number is the iteration count,
+    the objective and sampler are ESD-x's, and the update budget (rate x iterations) rises with
+    the number even where a strength runs at its own rate to meet the bar."""
+    cfgs = {k: ev.compose([f"method=esd_{k}", *domain]).method for k in (100, 200, 500)}
+    assert [cfgs[k].iterations for k in (100, 200, 500)] == [100, 200, 500]
+    assert len({(m.ddim_steps, m.train_method, m.negative_guidance) for m in cfgs.values()}) == 1
+    budget = [cfgs[k].learning_rate * cfgs[k].iterations for k in (100, 200, 500)]
+    assert budget == sorted(budget) and len(set(budget)) == 3, budget
 
 
 def test_presets_follow_the_model():
