@@ -36,6 +36,10 @@ import torch  # noqa: E402
 METHODS = ("esd", "esd_u", "esd_100", "esd_200", "esd_500", "uce", "mace", "ca", "ca_model", "fmn",
            "rece", "salun", "spm")
 SHAPES = ("circle", "square", "triangle", "star", "heart", "cross", "crescent", "diamond")
+# Methods whose tiny-world rows stay below the bar for reasons docs/methods_tinyworld_limits.md
+# measures; the page links there. A method failing more cells than LIST_FAILING_UP_TO gets one line.
+BELOW_THE_BAR = ("esd_u", "fmn", "sld", "sld_weak", "sld_strong", "sld_max")
+LIST_FAILING_UP_TO = 6
 STYLES = ("plain", "striped", "dotted", "checkered")
 RATE_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random]")
 
@@ -246,11 +250,23 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
         per.append(f"| {method} | " + " | ".join(
             f"{min(r.ea_name for r in by[c]):.2f} / {min(r.ra_random for r in by[c]):.2f}" if c in by else "–"
             for c in concepts) + " |")
-    below = [f"- {r.method} / {r.concept} (seed {r.seed}): "
-             + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if r.ea_name < 0.8 else "",
-                                     f"RA {r.ra_random:.2f} < 0.8 x {base.of(r).ra_random:.2f}"
-                                     if r.ra_random < 0.8 * base.of(r).ra_random else "") if x)
-             for r in rows if r.ea_name < 0.8 or r.ra_random < 0.8 * base.of(r).ra_random]
+    failed = [r for r in rows if r.ea_name < 0.8 or r.ra_random < 0.8 * base.of(r).ra_random]
+    below = []
+    for method in summary:  # one line per cell; a method failing in many cells gets one line
+        mine = [r for r in failed if r.method == method]
+        if len(mine) > LIST_FAILING_UP_TO:
+            n_ea = sum(r.ea_name < 0.8 for r in mine)
+            n_ra = sum(r.ra_random < 0.8 * base.of(r).ra_random for r in mine)
+            where = (" (why: [methods_tinyworld_limits.md](methods_tinyworld_limits.md))"
+                     if method in BELOW_THE_BAR else "")
+            below.append(f"- {method}: {len(mine)} of {summary[method]['cells']} cells, {n_ea} on EA name and "
+                         f"{n_ra} on RA random{where}")
+            continue
+        below += [f"- {r.method} / {r.concept} (seed {r.seed}): "
+                  + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if r.ea_name < 0.8 else "",
+                                          f"RA {r.ra_random:.2f} < 0.8 x {base.of(r).ra_random:.2f}"
+                                          if r.ra_random < 0.8 * base.of(r).ra_random else "") if x)
+                  for r in mine]
     below += [f"- {e['method']} / {e['concept']} (seed {e['seed']}): stopped with an error: {e['error']}"
               for e in errors]
     failing = "\n".join(below) if below else "None: every cell passes."

@@ -278,3 +278,20 @@ def test_esd_x_leaves_the_circle_in_its_long_descriptions(tmp_path):
     metrics = json.loads((out / "results.json").read_text())["metrics"]
     assert metrics["ea/name"]["value"] >= 0.8
     assert metrics["ea/long"]["value"] <= 0.6 and metrics["ea/long"]["n"] == 20
+
+
+def test_a_method_failing_many_cells_gets_one_line_and_a_documented_one_links_its_limits():
+    concepts = list(ev.SHAPES)
+    base = ev.Bases({(c, 0): ev.CellRates("none", c, 0, 1, 0.0, 1.0, 10, 50, 0.0, 1.0, {}) for c in concepts})
+
+    def rows(method, ea, ra):
+        return [ev.CellRates(method, c, 0, 1, ea, ra, 10, 50, 1.0, 2.0, {}) for c in concepts]
+
+    text = ev.markdown(rows("fmn", 1.0, 0.2) + rows("spm", 0.5, 1.0) + rows("uce", 1.0, 1.0)[:7]
+                       + [ev.CellRates("uce", "diamond", 0, 1, 0.7, 1.0, 10, 50, 1.0, 2.0, {})],
+                       base, concepts, "cmd", None)
+    failing = text.split("## Cells below the bar")[1]
+    assert "- fmn: 8 of 8 cells, 0 on EA name and 8 on RA random (why: [methods_tinyworld_limits.md]" in failing
+    assert "- spm: 8 of 8 cells, 8 on EA name and 0 on RA random\n" in failing  # not documented: no link
+    assert "- uce / diamond (seed 0): EA 0.70 < 0.8" in failing  # one failing cell: listed by itself
+    assert "fmn / circle" not in failing
