@@ -222,6 +222,19 @@ def domain_presets(method: str, concepts: Sequence[str]) -> str:
     return "".join(out)
 
 
+def settings_line(method: str, config: dict[str, Any], concepts: Sequence[str]) -> str:
+    """The page's line for a method's settings: its paper config, then the tiny-world preset files
+    that apply (a method without one runs its paper settings on the tiny world, and says so)."""
+    from emma import registry
+
+    if not registry.preset_chain("method", method, "tiny"):
+        head = f"- **{method}**: `conf/method/{method}.yaml` (no tiny-world preset: its own settings)"
+    else:
+        head = (f"- **{method}**: `conf/method/{method}.yaml` + `conf/preset/method/{method}_tiny.yaml`: `"
+                + json.dumps(preset_values(method, config), sort_keys=True) + "`")
+    return head + domain_presets(method, concepts)
+
+
 def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], command: str,
              grid_name: str | None, errors: Sequence[dict[str, Any]] = (), shared: bool = False) -> str:
     """The page; ``shared``: its cells ran in several processes at once (``--report``)."""
@@ -281,11 +294,8 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
                     "with the base at the concept's first seed.\n")
     n_name = rows[0].n_name if rows else 0
     n_random = rows[0].n_random if rows else 0
-    presets = "\n".join(f"- **{m}**: `conf/method/{m}.yaml` + `conf/preset/method/{m}_tiny.yaml`: `"
-                        + json.dumps(preset_values(m, next(r for r in rows if r.method == m).method_config),
-                                     sort_keys=True) + "`"
-                        + domain_presets(m, [r.concept for r in rows if r.method == m])
-                        for m in summary)
+    presets = "\n".join(settings_line(m, next(r for r in rows if r.method == m).method_config,
+                                       [r.concept for r in rows if r.method == m]) for m in summary)
     grid = (f"\nSamples (one row per method, erasing **{concepts[0]}**; columns: "
             f"{', '.join(repr(p) for p in dict.fromkeys(grid_prompts(concepts[0])))} as 4, 2 and 2 images; "
             f"seeds 0-7):\n\n![samples]({grid_name})\n" if grid_name else "")

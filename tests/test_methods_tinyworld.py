@@ -295,3 +295,13 @@ def test_a_method_failing_many_cells_gets_one_line_and_a_documented_one_links_it
     assert "- spm: 8 of 8 cells, 8 on EA name and 0 on RA random\n" in failing  # not documented: no link
     assert "- uce / diamond (seed 0): EA 0.70 < 0.8" in failing  # one failing cell: listed by itself
     assert "fmn / circle" not in failing
+
+
+def test_the_settings_line_names_only_preset_files_that_exist():
+    sld = ev.settings_line("sld", {}, ["circle", "plain"])
+    assert sld == "- **sld**: `conf/method/sld.yaml` (no tiny-world preset: its own settings)"
+    ca = ev.settings_line("ca", {}, ["circle", "plain"])
+    assert ca.startswith("- **ca**: `conf/method/ca.yaml` + `conf/preset/method/ca_tiny.yaml`: `{")
+    assert '"num_class_images": 192' in ca.split("; on tinyworld_style")[0]
+    assert ca.endswith("on tinyworld_style also `conf/preset/method_domain/ca_tiny_tinyworld_style.yaml`: "
+                       '`{"num_class_images": 128}`')
