@@ -263,22 +263,27 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
         per.append(f"| {method} | " + " | ".join(
             f"{min(r.ea_name for r in by[c]):.2f} / {min(r.ra_random for r in by[c]):.2f}" if c in by else "–"
             for c in concepts) + " |")
-    failed = [r for r in rows if r.ea_name < 0.8 or r.ra_random < 0.8 * base.of(r).ra_random]
+    def low_ea(r: CellRates) -> bool:
+        return r.ea_name < 0.8
+
+    def low_ra(r: CellRates) -> bool:
+        return r.ra_random < 0.8 * base.of(r).ra_random
+
+    failed = [r for r in rows if low_ea(r) or low_ra(r)]
     below = []
     for method in summary:  # one line per cell; a method failing in many cells gets one line
         mine = [r for r in failed if r.method == method]
         if len(mine) > LIST_FAILING_UP_TO:
-            n_ea = sum(r.ea_name < 0.8 for r in mine)
-            n_ra = sum(r.ra_random < 0.8 * base.of(r).ra_random for r in mine)
+            n_ea, n_ra = sum(map(low_ea, mine)), sum(map(low_ra, mine))
             where = (" (why: [methods_tinyworld_limits.md](methods_tinyworld_limits.md))"
                      if method in BELOW_THE_BAR else "")
             below.append(f"- {method}: {len(mine)} of {summary[method]['cells']} cells, {n_ea} on EA name and "
                          f"{n_ra} on RA random{where}")
             continue
         below += [f"- {r.method} / {r.concept} (seed {r.seed}): "
-                  + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if r.ea_name < 0.8 else "",
+                  + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if low_ea(r) else "",
                                           f"RA {r.ra_random:.2f} < 0.8 x {base.of(r).ra_random:.2f}"
-                                          if r.ra_random < 0.8 * base.of(r).ra_random else "") if x)
+                                          if low_ra(r) else "") if x)
                   for r in mine]
     below += [f"- {e['method']} / {e['concept']} (seed {e['seed']}): stopped with an error: {e['error']}"
               for e in errors]

@@ -42,7 +42,8 @@ THREADS = int(os.environ.get("EMMA_TEST_THREADS", "1"))  # torch threads of the 
 # base model's RA on the same 30 random-shape images. Measured over seeds 0-2 (1 thread), the
 # lowest values were: FMN EA 0.67 (4 of 6); every other measured method EA 1.00 and
 # RA >= 0.93 x base (CA, anchored on the other shapes: EA 1.00, RA >= 1.00 x base over seeds
-# 0-2 on 1 thread and seed 0 on 2; tiny world 3 at 128 anchor images, seed 0: EA 0.83, RA 0.93).
+# 0-2 on 1 thread and seed 0 on 2; tiny world 3, seed 0: EA 0.83, RA 0.93 at 128 anchor images,
+# EA 1.00, RA 1.00 x base at the shipped 192).
 # Each floor sits one image (EA) or about 0.08 (RA) below
 # the lowest measured value. ESD-u (with -m slow), seeds 0-2 on 1 thread: EA 0.83, 0.50, 0.83,
 # RA 0.86, 0.96, 0.83 x base; seed 0 on 2 threads: EA 1.00, RA 0.54 x base. Without a
