@@ -231,7 +231,7 @@ def test_an_experiments_own_sweep_is_checked_cell_by_cell(capsys, monkeypatch):
     for v in params.values():
         expected *= len(str(v).split(","))
     cells = validate.cell_overrides(["experiment=tinyworld_full"], True)
-    assert len(cells) == expected == 80
+    assert len(cells) == expected == 85
     assert ["method=uce", "attacker=p4d_n", "concept=circle", "experiment=tinyworld_full"] in cells
     # the command line wins over the experiment's sweep for the keys it sets
     assert len(validate.cell_overrides(["experiment=tinyworld_full", "method=uce"], True)) == 5
