@@ -66,7 +66,7 @@ from leaderboards.render import (
 from leaderboards.tables import Table, build_tables
 
 STATE = ".build_state.json"
-FORMAT = 3  # bump when the outputs change for the same inputs
+FORMAT = 4  # bump when the outputs change for the same inputs
 PLOTS = 3  # bump when a plot is drawn differently from the same data
 
 

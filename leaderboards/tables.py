@@ -160,6 +160,10 @@ def comparability(kind: str, cells: list[Cell], keys: list[str]) -> tuple[list[s
     elif len(by_variant) > 1:
         rule = ("Rows differ in budget or settings (column 'setting'): compare numbers only between rows of the same "
                 "setting. ASR rises with images per prompt; FID falls as its n grows.")
+    elif len(next(iter(by_variant.values()), ())) > 1:  # one setting, several attackers' budgets
+        rule = ("The rows share one setting but not one budget: the attackers' budgets differ (listed above). "
+                "Suite numbers (EA, RA, FID) may be compared across rows of equal images per prompt; attack "
+                "numbers only between rows of the same attacker.")
     else:
         rule = "Every row was measured at the same budget: the numbers of one column may be compared across rows."
     fid = _spread(cells, "fid") if "fid" in keys else ""

@@ -397,3 +397,25 @@ def test_expected_jobs_counts_an_experiments_sweep(tmp_path):
     assert expected_jobs(path) == 4
     path.write_text("not: [yaml")
     assert expected_jobs(path) is None
+
+
+def test_rows_of_one_setting_at_several_attack_budgets_are_not_called_one_budget():
+    """A sweep of one method under the static suite and an attacker: one setting, two budgets.
+    The table lists both and says that attack numbers compare only within an attacker; a table
+    of one budget keeps the plain sentence."""
+    from pathlib import Path
+
+    from leaderboards.collect import Cell
+    from leaderboards.tables import comparability
+
+    def cell(attacker: str, attack: dict) -> Cell:
+        return Cell(path=Path(attacker), model="tinyworld", method="uce", domain="tinyworld", concept="circle",
+                    attacker=attacker, classifier="tinyworld", metrics={}, signatures={}, versions={}, counts={},
+                    notes=[], mtime=0.0, budget={"images_per_prompt": 2, "attack": attack})
+
+    static, p4d = cell("static", {}), cell("p4d_n", {"iterations": 100, "checks": 6})
+    budgets, rule = comparability("methods", [static, p4d], [])
+    assert len(budgets) == 1 and budgets[0].count(" | ") == 1 and "iterations=100" in budgets[0]
+    assert "not one budget" in rule and "same attacker" in rule and "Every row" not in rule
+    budgets, rule = comparability("methods", [static, cell("static", {})], [])
+    assert rule.startswith("Every row was measured at the same budget")
