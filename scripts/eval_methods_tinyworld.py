@@ -297,8 +297,13 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
     if unseeded:  # said, not silently replaced: those cells' RA bar uses another seed's base
         missing += (f"\n{unseeded} cells have no base-model cell at their own seed; their RA is compared "
                     "with the base at the concept's first seed.\n")
-    n_name = rows[0].n_name if rows else 0
-    n_random = rows[0].n_random if rows else 0
+    counts = []  # "10 name images and 50 random-shape images" per domain in the table
+    for kind, members in (("shape", [r for r in rows if r.concept not in STYLES]),
+                          ("style", [r for r in rows if r.concept in STYLES])):
+        if members:
+            n_name = "/".join(str(n) for n in sorted({r.n_name for r in members}))
+            n_random = "/".join(str(n) for n in sorted({r.n_random for r in members}))
+            counts.append(f"{n_name} name images and {n_random} random-{kind} images per {kind} cell")
     presets = "\n".join(settings_line(m, next(r for r in rows if r.method == m).method_config,
                                        [r.concept for r in rows if r.method == m]) for m in summary)
     grid = (f"\nSamples (one row per method, erasing **{concepts[0]}**; columns: "
@@ -309,15 +314,18 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
     return f"""# Erasure methods on the tiny world
 
 Each cell is `python -m emma.run method=M concept=C` with the shipped configs: the method's
-paper defaults (`conf/method/M.yaml`) with its tiny-world preset (`conf/preset/method/M_tiny.yaml`),
-chosen automatically because the default model is the tiny world. Only EA on the name prompt
-and RA on random other shapes are computed (`metrics=rates_only prompt_types=[name,random]`):
-{n_name} name images and {n_random} random-shape images per cell (the domain's 10 images per prompt),
-drawn by the tiny world's sampler (Euler ancestral, 20 steps, guidance 5) and judged by the
-tiny-world classifier. EA = fraction of name-prompt images where the erased shape is **not** found;
-RA = fraction of other-shape images where their shape **is** found (EMMA's definitions).
-A method passes when every shape reaches EA ≥ 0.8 and RA ≥ 0.8 × the base model's RA on the same
-concept. Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on this machine's CPU{timing}.
+paper defaults (`conf/method/M.yaml`) with its tiny-world preset (`conf/preset/method/M_tiny.yaml`,
+and `conf/preset/method_domain/M_tiny_tinyworld_style.yaml` for a style where one exists),
+chosen automatically because the default model is the tiny world; a style runs in the
+`tinyworld_style` domain (`domain=tinyworld_style concept=C`). Only EA on the name prompt
+and RA on random prompts of the other concepts are computed
+(`metrics=rates_only prompt_types=[name,random]`): {"; ".join(counts) or "no cells"}
+(the domain's 10 images per prompt), drawn by the tiny world's sampler (Euler ancestral, 20 steps,
+guidance 5) and judged by the domain's tiny-world classifier. EA = fraction of name-prompt images
+where the erased concept is **not** found; RA = fraction of other-concept images where their
+concept **is** found (EMMA's definitions). A method passes when every concept reaches EA ≥ 0.8
+and RA ≥ 0.8 × the base model's RA on the same concept.
+Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on this machine's CPU{timing}.
 
 ## Summary over {len(concepts)} concepts
 

@@ -248,6 +248,19 @@ def test_the_per_concept_table_shows_the_worst_seed_and_the_summary_counts_passi
     assert "1 cells have no base-model cell at their own seed" in ev.markdown(rows, base, ["circle"], "cmd", None)
 
 
+def test_the_page_states_the_image_counts_of_each_domain_it_shows():
+    def row(concept, n_random):
+        return ev.CellRates("uce", concept, 0, 1, 1.0, 1.0, 10, n_random, 1.0, 2.0, {})
+
+    base = ev.Bases({(c, 0): ev.CellRates("none", c, 0, 1, 0.0, 1.0, 10, n, 0.0, 1.0, {})
+                     for c, n in (("circle", 50), ("plain", 20))})
+    both = ev.markdown([row("circle", 50), row("plain", 20)], base, ["circle", "plain"], "cmd", None)
+    assert ("10 name images and 50 random-shape images per shape cell; "
+            "10 name images and 20 random-style images per style cell") in both
+    shapes = ev.markdown([row("circle", 50)], base, ["circle"], "cmd", None)
+    assert "random-shape images per shape cell" in shapes and "style cell" not in shapes
+
+
 def test_the_settings_line_keeps_a_per_domain_mapping_whole():
     """A preset mapping that names both tiny-world domains (AdvUnlearn's prompt templates) is
     shown whole on the page; one naming only the shape domain is shown as that entry."""
