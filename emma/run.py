@@ -250,6 +250,30 @@ def _close_progress_bars() -> None:
             bar.close()
 
 
+#: The parts of a cell's config that set its numbers (paths, logger, threads and the like do not).
+SETTING_KEYS = ("model", "method", "domain", "attacker", "protocol", "classifier", "metrics", "concept", "seed",
+                "images_per_prompt", "prompt_types")
+
+
+def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every setting (:data:`SETTING_KEYS`, dotted paths) in which the
+    config a finished cell recorded differs from the one that would run it now (secrets redacted
+    on both sides, as results.json stores them)."""
+    from emma.results import redact
+
+    def flat(obj: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(obj, dict):
+            return {k: v for key, val in obj.items() for k, v in flat(val, f"{prefix}.{key}").items()} or {prefix: {}}
+        return {prefix: obj}
+
+    old, new = {}, {}
+    for key in SETTING_KEYS:
+        old.update(flat(recorded.get(key), key))
+        new.update(flat(redact(current.get(key)), key))
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+
+
 def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
     done = Path(out) / "results.json"
     overwrite = bool(cfg.get("overwrite", False))
@@ -265,8 +289,15 @@ def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
                   "running the cell again", file=sys.stderr)
             overwrite = True
         else:
-            log.info(f"results: {done} (finished cell of this sweep, kept)")
-            return {k: v.value for k, v in kept.metrics.items()}
+            changed = changed_settings(kept.config, OmegaConf.to_container(cfg, resolve=True))
+            if not changed:
+                log.info(f"results: {done} (finished cell of this sweep, kept)")
+                return {k: v.value for k, v in kept.metrics.items()}
+            # a preset or config changed since the cell ran: keeping it would report old settings
+            shown = "; ".join(changed[:3]) + (f"; {len(changed) - 3} more" if len(changed) > 3 else "")
+            print(f"warning: {done} was measured with other settings ({shown}); running the cell again",
+                  file=sys.stderr)
+            overwrite = True
     try:
         check_output_dir(out, overwrite)
     except EmmaError as err:

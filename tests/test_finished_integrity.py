@@ -187,3 +187,34 @@ def test_resumed_sweep_reruns_a_cell_with_a_truncated_results_json(tmp_path):
     # served again from the finished-cell cache, whole (and saying so)
     assert _unserved(done) == {k: v for k, v in json.loads(first).items() if k != "served_from_cache"}
     assert json.loads(done.read_text())["served_from_cache"] is not None
+
+
+def test_resumed_sweep_reruns_a_cell_measured_with_other_settings(tmp_path):
+    """A finished cell whose recorded settings differ from what the sweep would run now (a preset
+    changed between the launches) runs again, saying which settings differ; paths do not count."""
+    cache, sweep = tmp_path / "cache", tmp_path / "sweep"
+    _sweep(cache, sweep)
+    (done,) = sweep.glob("*/results.json")
+    data = json.loads(done.read_text())
+    data["config"]["paths"] = {"moved": "elsewhere"}  # not a setting: the cell is kept
+    done.write_text(json.dumps(data))
+    assert "finished cell of this sweep, kept" in _sweep(cache, sweep).stdout
+
+    data["config"]["images_per_prompt"] = 7  # as if the sweep had run with another setting
+    done.write_text(json.dumps(data))
+    resumed = _sweep(cache, sweep)
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(done) in warnings[0] and "running the cell again" in warnings[0]
+    assert "images_per_prompt: 7 -> 1" in warnings[0] and "kept" not in resumed.stdout
+    assert json.loads(done.read_text())["config"]["images_per_prompt"] == 1
+
+
+def test_changed_settings_names_each_differing_key_and_ignores_the_rest():
+    from emma.run import changed_settings
+
+    old = {"method": {"la_strength": 200.0, "rank": 1}, "seed": 0, "paths": {"cache": "/a"}, "threads": 1}
+    new = {"method": {"la_strength": 25.0, "rank": 1, "facilitated_transport": True}, "seed": 0,
+           "paths": {"cache": "/b"}, "threads": 2}
+    assert changed_settings(old, new) == ["method.facilitated_transport: '(unset)' -> True",
+                                          "method.la_strength: 200.0 -> 25.0"]
+    assert changed_settings(old, old) == []
