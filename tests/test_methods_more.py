@@ -262,6 +262,24 @@ def test_saliency_mask_keeps_the_largest_gradients_over_all_tensors():
     assert (got == ref).all() and got.sum() == k
 
 
+def test_saliency_mask_breaks_ties_at_the_threshold_in_order():
+    # 6 entries above 0.5, 5 at it, the rest below: a mask of 8 takes the 6 and the first 2 ties
+    grads = {"a": torch.tensor([[0.9, -0.5], [0.1, 0.5]]), "b": torch.tensor([-0.7, 0.5, 0.8, 0.0]),
+             "c": torch.tensor([0.5, 2.0, -3.0, 0.6, 0.5, 0.2])}
+    mask = saliency_mask(grads, 8 / 14)
+    assert mask["a"].tolist() == [[True, True], [False, True]]
+    assert mask["b"].tolist() == [True, False, True, False]
+    assert mask["c"].tolist() == [False, True, True, True, False, False]
+    assert all(m.dtype == torch.bool for m in mask.values())
+    assert not any(m.any() for m in saliency_mask(grads, 0.01).values())  # rounds to 0 entries
+    assert all(m.all() for m in saliency_mask(grads, 1.0).values())
+
+
+def test_saliency_mask_refuses_a_non_finite_gradient():
+    with pytest.raises(ConfigError, match="not finite"):
+        saliency_mask({"w": torch.tensor([1.0, float("nan")])}, 0.5)
+
+
 def test_salun_changes_only_masked_weights(base, pipe):
     m = small_salun(mask_ratio=0.3)
     m.erase(pipe, ["circle"], seed=0, domain=DOMAIN)

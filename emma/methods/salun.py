@@ -99,18 +99,48 @@ def salun_parameter_filter(group: str):
 
 def saliency_mask(gradients: dict[str, torch.Tensor], ratio: float) -> dict[str, torch.Tensor]:
     """Boolean masks of the ``ratio`` fraction of entries with the largest ``|gradient|``,
-    ranked over all tensors together (ties at the threshold broken by order)."""
+    ranked over all tensors together (ties at the threshold broken by order).
+
+    The threshold is found by bisection over the float32 bit patterns of ``|gradient|`` (which
+    order as the values do), counting per tensor, so that no flattened copy of every gradient
+    is made: at SD scale that copy, its sort and its indices took three more times the UNet's
+    size in memory than the gradients themselves.
+    """
     if not 0.0 < ratio <= 1.0:
         raise ConfigError(f"SalUn mask_ratio must be in (0, 1], got {ratio}")
-    flat = torch.cat([g.abs().flatten().float() for g in gradients.values()])
-    k = int(round(ratio * flat.numel()))
-    keep = torch.zeros(flat.numel(), dtype=torch.bool)
-    if k > 0:
-        keep[torch.topk(flat, k, sorted=False).indices] = True
-    out, start = {}, 0
+    total = sum(g.numel() for g in gradients.values())
+    k = int(round(ratio * total))
+    if k == 0:
+        return {name: torch.zeros(g.shape, dtype=torch.bool, device=g.device) for name, g in gradients.items()}
     for name, g in gradients.items():
-        out[name] = keep[start : start + g.numel()].reshape(g.shape)
-        start += g.numel()
+        if not torch.isfinite(g).all():
+            raise ConfigError(f"SalUn saliency: the gradient of {name} is not finite; no mask can rank it")
+
+    def count(bits: int, strict: bool = False) -> int:
+        v = torch.tensor(bits, dtype=torch.int32).view(torch.float32).item()
+        return sum(int((g.float().abs() > v).sum() if strict else (g.float().abs() >= v).sum())
+                   for g in gradients.values())
+
+    # the k-th largest |g| is the largest float v with at least k entries >= v
+    lo, hi = 0, 0x7F800000  # 0.0 (count = total >= k) and +inf (count 0 < k)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count(mid) >= k:
+            lo = mid
+        else:
+            hi = mid
+    threshold = torch.tensor(lo, dtype=torch.int32).view(torch.float32).item()
+    ties = k - count(lo, strict=True)  # entries equal to the threshold still to take, in order
+    out = {}
+    for name, g in gradients.items():
+        a = g.float().abs()
+        keep = a > threshold
+        if ties > 0:
+            eq = (a == threshold).flatten()
+            take = eq & (eq.cumsum(0) <= ties)
+            keep |= take.reshape(g.shape)
+            ties -= int(take.sum())
+        out[name] = keep
     return out
 
 
@@ -243,7 +273,9 @@ class SalUnMethod(ErasureMethod):
         """Step 1, saliency: the sum over the forget set of the forgetting loss's gradients."""
         hp = self.hparams
         device, n, bs, g = unet.device, hp["num_images"], hp["train_batch_size"], hp["mask_guidance"]
-        grads = {k: torch.zeros_like(p) for k, p in params.items()}
+        # backward accumulates the batches' gradients in .grad (the same sums as adding them up
+        # one by one, without a second UNet-sized buffer)
+        unet.zero_grad(set_to_none=True)
         for s in tqdm(range(0, n, bs), desc="SalUn saliency", disable=not self.progress, leave=False):
             idx = list(range(s, min(s + bs, n)))
             x0, noise, t, xt = _noised(sched, data.x_forget, idx, gen, device)
@@ -253,12 +285,10 @@ class SalUnMethod(ErasureMethod):
                     device, torch.float32)).sample
             pred = (1 + g) * e_c.float() - g * e_0.float()
             loss = -F.mse_loss(pred, diffusion_target(sched, x0, noise, t).float())
-            unet.zero_grad(set_to_none=True)
             loss.backward()
-            for k, p in params.items():
-                if p.grad is not None:
-                    grads[k] += p.grad.detach()
-        unet.zero_grad(set_to_none=True)
+        grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
+        for p in params.values():
+            p.grad = None
         return grads
 
     def _unlearn(self, unet: Any, params: dict[str, torch.nn.Parameter], mask: dict[str, torch.Tensor],
