@@ -274,6 +274,32 @@ def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[
             for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
+#: Components whose code carries a ``version`` that moves with their numbers (CHANGELOG).
+VERSIONED_KEYS = ("method", "attacker")
+
+
+def changed_versions(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key version: old -> new`` for each component (:data:`VERSIONED_KEYS`) whose class
+    version differs from the one a finished cell recorded in ``versions.components``: its code
+    changed the numbers since. A target that no longer imports is left to the run to report."""
+    from hydra.utils import get_class
+
+    comps = recorded.get("components") or {}
+    out = []
+    for key in VERSIONED_KEYS:
+        target = (current.get(key) or {}).get("_target_")
+        old = (comps.get(key) or {}).get("version")
+        if not target or old is None:
+            continue
+        try:
+            new = getattr(get_class(target), "version", None)
+        except (ImportError, ValueError, AttributeError):
+            continue
+        if new is not None and str(new) != str(old):
+            out.append(f"{key} version: {old!r} -> {str(new)!r}")
+    return out
+
+
 def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
     done = Path(out) / "results.json"
     overwrite = bool(cfg.get("overwrite", False))
@@ -289,7 +315,8 @@ def _job(cfg: DictConfig, out: str, multirun: bool) -> dict | None:
                   "running the cell again", file=sys.stderr)
             overwrite = True
         else:
-            changed = changed_settings(kept.config, OmegaConf.to_container(cfg, resolve=True))
+            current = OmegaConf.to_container(cfg, resolve=True)
+            changed = changed_settings(kept.config, current) + changed_versions(kept.versions, current)
             if not changed:
                 log.info(f"results: {done} (finished cell of this sweep, kept)")
                 return {k: v.value for k, v in kept.metrics.items()}

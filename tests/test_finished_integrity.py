@@ -208,6 +208,15 @@ def test_resumed_sweep_reruns_a_cell_measured_with_other_settings(tmp_path):
     assert "images_per_prompt: 7 -> 1" in warnings[0] and "kept" not in resumed.stdout
     assert json.loads(done.read_text())["config"]["images_per_prompt"] == 1
 
+    data = json.loads(done.read_text())
+    method_version = data["versions"]["components"]["method"]["version"]
+    data["versions"]["components"]["method"]["version"] = "0"  # measured by older code of the method
+    done.write_text(json.dumps(data))
+    resumed = _sweep(cache, sweep)
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"method version: '0' -> {method_version!r}" in warnings[0]
+    assert json.loads(done.read_text())["versions"]["components"]["method"]["version"] == method_version
+
 
 def test_changed_settings_names_each_differing_key_and_ignores_the_rest():
     from emma.run import changed_settings
@@ -218,3 +227,15 @@ def test_changed_settings_names_each_differing_key_and_ignores_the_rest():
     assert changed_settings(old, new) == ["method.facilitated_transport: '(unset)' -> True",
                                           "method.la_strength: 200.0 -> 25.0"]
     assert changed_settings(old, old) == []
+
+
+def test_changed_versions_compares_the_recorded_component_versions_with_the_code():
+    from emma.methods.esd import ESDMethod
+    from emma.run import changed_versions
+
+    current = {"method": {"_target_": "emma.methods.esd.ESDMethod"}, "attacker": {"_target_": "no.such.Class"}}
+    recorded = {"components": {"method": {"version": ESDMethod.version}, "attacker": {"version": "1"}}}
+    assert changed_versions(recorded, current) == []  # the attacker's class no longer imports: the run says so
+    recorded["components"]["method"]["version"] = "0"
+    assert changed_versions(recorded, current) == [f"method version: '0' -> {ESDMethod.version!r}"]
+    assert changed_versions({}, current) == []  # a cell that recorded no versions
