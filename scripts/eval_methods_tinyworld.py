@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -64,6 +64,9 @@ class CellRates:
     unlearning_s: float
     wall_s: float
     method_config: dict[str, Any]
+    #: where the cell ran: the libraries and runtime (CPU, torch threads) its results.json
+    #: records; float rounding follows both, so a figure is checked against its machine
+    environment: dict[str, Any] = field(default_factory=dict)
 
 
 class Bases(dict):
@@ -114,7 +117,8 @@ def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt
     return CellRates(method=method, concept=concept, seed=seed, threads=used,
                      ea_name=m["ea/name"].value, ra_random=m["ra/random"].value, n_name=m["ea/name"].n,
                      n_random=m["ra/random"].n, unlearning_s=m["time/unlearning_s"].value, wall_s=wall,
-                     method_config=result.versions["components"]["method"])
+                     method_config=result.versions["components"]["method"],
+                     environment={k: result.versions[k] for k in ("libraries", "runtime") if k in result.versions})
 
 
 # ---------------------------------------------------------------------------- sample grid

@@ -20,6 +20,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+import torch
 
 from tests.conftest import run_env
 
@@ -67,6 +68,17 @@ def base(cache) -> "ev.CellRates":
 def test_the_base_model_draws_the_concept(base):
     assert base.ea_name <= 0.2  # else erasure would not be measurable
     assert base.ra_random >= 0.6
+
+
+def test_a_cell_records_the_libraries_and_runtime_it_ran_with(base):
+    # float rounding follows the CPU, the thread count and the library versions: a page's
+    # figure is only checkable against the machine that measured it
+    assert base.environment["runtime"]["torch_threads"] == THREADS
+    assert base.environment["libraries"]["torch"] == torch.__version__.split("+")[0]
+    assert base.environment["runtime"]["cpu"]
+    # rows written before the field existed still load
+    row = {k: v for k, v in ev.asdict(base).items() if k != "environment"}
+    assert ev.CellRates(**row).environment == {}
 
 
 # The two longest erasures (500 and 800 ESD iterations, about 2 and 3 min on one thread) run
