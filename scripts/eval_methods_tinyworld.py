@@ -118,7 +118,7 @@ def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt
                      ea_name=m["ea/name"].value, ra_random=m["ra/random"].value, n_name=m["ea/name"].n,
                      n_random=m["ra/random"].n, unlearning_s=m["time/unlearning_s"].value, wall_s=wall,
                      method_config=result.versions["components"]["method"],
-                     environment={k: result.versions[k] for k in ("libraries", "runtime") if k in result.versions})
+                     environment={k: result.versions[k] for k in ("libraries", "runtime")})
 
 
 # ---------------------------------------------------------------------------- sample grid
