@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -239,6 +240,40 @@ def settings_line(method: str, config: dict[str, Any], concepts: Sequence[str]) 
     return head + domain_presets(method, concepts)
 
 
+def pass_probability(n: int, rate: float, bar: float = 0.8) -> float:
+    """Probability that ``n`` images of a model whose true EA is ``rate`` show EA >= ``bar``
+    (exact binomial: at least ceil(bar * n) erased images)."""
+    need = math.ceil(bar * n - 1e-9)
+    return sum(math.comb(n, k) * rate**k * (1 - rate) ** (n - k) for k in range(need, n + 1))
+
+
+def resolution(rows: Sequence[CellRates], bar: float = 0.8) -> str:
+    """What the bar can tell from one cell's name images: the Wilson interval of an EA of 1.0 and
+    of the bar itself, and how often cells of a method whose every true EA is 0.9 or 0.95 all pass.
+    Empty without rows; several name-image counts are each described."""
+    from emma.metrics.intervals import wilson_interval
+
+    out = []
+    for n in sorted({r.n_name for r in rows if r.n_name}):
+        cells = max(sum(1 for r in rows if r.n_name == n and r.method == m)
+                    for m in {r.method for r in rows})
+        k_bar = math.ceil(bar * n - 1e-9)
+        top, at = wilson_interval(n, n), wilson_interval(k_bar, n)
+        confident = (f"no single cell shows EA >= {bar} with confidence," if top[0] < bar else
+                     f"a cell shows EA >= {bar} with confidence only where its interval's lower end is "
+                     f"at or above {bar},")
+        odds = "; ".join(f"at {p:g}, one cell passes with probability {pass_probability(n, p, bar):.2f} "
+                         f"and all {cells} together with {pass_probability(n, p, bar) ** cells:.2f}"
+                         for p in (0.9, 0.95))
+        out.append(f"With {n} name images a cell's EA is a count out of {n}: EA 1.00 has the 95% "
+                   f"interval {top[0]:.2f}-{top[1]:.2f} (Wilson) and EA {k_bar / n:.2f} "
+                   f"{at[0]:.2f}-{at[1]:.2f}, so {confident} and a pass or a miss by one image is within "
+                   f"the noise. For a method whose true EA is the "
+                   f"same in every cell: {odds}. A machine with other float rounding draws other "
+                   "images, so cells near the bar can flip between machines.")
+    return "\n\n".join(out)
+
+
 def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], command: str,
              grid_name: str | None, errors: Sequence[dict[str, Any]] = (), shared: bool = False) -> str:
     """The page; ``shared``: its cells ran in several processes at once (``--report``)."""
@@ -338,6 +373,8 @@ Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on 
 ## Cells below the bar (EA name >= 0.8, RA random >= 0.8 x base)
 
 {failing}
+
+{resolution(rows) or "No cells."}
 
 ## Per concept (EA name / RA random; with several seeds, the lowest of each)
 

@@ -331,3 +331,30 @@ def test_the_settings_line_names_only_preset_files_that_exist():
     assert '"num_class_images": 192' in ca.split("; on tinyworld_style")[0]
     assert ca.endswith("on tinyworld_style also `conf/preset/method_domain/ca_tiny_tinyworld_style.yaml`: "
                        '`{"num_class_images": 128}`')
+
+
+def test_the_page_says_what_one_cell_of_n_name_images_can_show():
+    """The bar's resolution is computed from the rows' image counts: the pass probability is the
+    binomial tail (checked against scipy) and EA 1.0's Wilson lower end is n / (n + z^2)."""
+    from scipy.stats import binom
+
+    for n, rate in ((10, 0.9), (10, 0.95), (50, 0.9), (7, 0.8)):
+        need = -(-8 * n // 10)  # ceil(0.8 n)
+        assert ev.pass_probability(n, rate) == pytest.approx(binom.sf(need - 1, n, rate), abs=1e-12)
+    assert ev.pass_probability(10, 0.9) == pytest.approx(0.9298, abs=1e-4)
+
+    def rows(n, cells):
+        return [ev.CellRates("uce", "circle", s, 1, 1.0, 1.0, n, 50, 1.0, 2.0, {}) for s in range(cells)]
+
+    ten = ev.resolution(rows(10, 36))
+    z2 = 1.959963984540054 ** 2
+    assert f"EA 1.00 has the 95% interval {10 / (10 + z2):.2f}-1.00" in ten and "0.72-1.00" in ten
+    assert "no single cell shows EA >= 0.8 with confidence" in ten
+    assert f"all 36 together with {binom.sf(7, 10, 0.9) ** 36:.2f}" in ten and "together with 0.07" in ten
+    fifty = ev.resolution(rows(50, 12))
+    assert "0.93-1.00" in fifty and "no single cell" not in fifty and "all 12 together" in fifty
+    assert ev.resolution([]) == ""
+    page = ev.markdown(rows(10, 3), ev.Bases({("circle", s): ev.CellRates("none", "circle", s, 1, 0.0, 1.0, 10, 50,
+                                                                          0.0, 1.0, {}) for s in range(3)}),
+                       ["circle"], "cmd", None)
+    assert "With 10 name images a cell's EA is a count out of 10" in page
