@@ -240,6 +240,31 @@ def settings_line(method: str, config: dict[str, Any], concepts: Sequence[str]) 
     return head + domain_presets(method, concepts)
 
 
+def default_images_per_prompt() -> int:
+    """The tiny-world domains' images per prompt (``conf/domain/tinyworld*.yaml``); a
+    ConfigError if the two domains disagree, since the page states one default."""
+    from omegaconf import OmegaConf
+
+    from emma.errors import ConfigError
+
+    counts = {int(OmegaConf.load(ROOT / "conf" / "domain" / f"{name}.yaml").images_per_prompt)
+              for name in ("tinyworld", "tinyworld_style")}
+    if len(counts) != 1:
+        raise ConfigError(f"the tiny-world domains draw different images per prompt ({sorted(counts)}); "
+                          "the methods page states one")
+    return counts.pop()
+
+
+def images_phrase(rows: Sequence[CellRates]) -> str:
+    """"the domain's 10 images per prompt", or the rows' own count where it differs (the name
+    prompt is one prompt, so a cell's name images are its images per prompt)."""
+    default = default_images_per_prompt()
+    own = sorted({r.n_name for r in rows})
+    if not own or own == [default]:
+        return f"the domain's {default} images per prompt"
+    return f"{'/'.join(map(str, own))} images per prompt; the domain's default is {default}"
+
+
 def pass_probability(n: int, rate: float, bar: float = 0.8) -> float:
     """Probability that ``n`` images of a model whose true EA is ``rate`` show EA >= ``bar``
     (exact binomial: at least ceil(bar * n) erased images)."""
@@ -336,6 +361,9 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
     if unseeded:  # said, not silently replaced: those cells' RA bar uses another seed's base
         missing += (f"\n{unseeded} cells have no base-model cell at their own seed; their RA is compared "
                     "with the base at the concept's first seed.\n")
+    used = sorted({r.threads for r in rows})
+    threads = (f"{'/'.join(map(str, used))} torch thread{'s' if used != [1] else ''} per cell" if used
+               else f"{torch.get_num_threads()} CPU threads")
     counts = []  # "10 name images and 50 random-shape images" per domain in the table
     for kind, members in (("shape", [r for r in rows if r.concept not in STYLES]),
                           ("style", [r for r in rows if r.concept in STYLES])):
@@ -359,7 +387,7 @@ chosen automatically because the default model is the tiny world; a style runs i
 `tinyworld_style` domain (`domain=tinyworld_style concept=C`). Only EA on the name prompt
 and RA on random prompts of the other concepts are computed
 (`metrics=rates_only prompt_types=[name,random]`): {"; ".join(counts) or "no cells"}
-(the domain's 10 images per prompt), drawn by the tiny world's sampler (Euler ancestral, 20 steps,
+({images_phrase(rows)}), drawn by the tiny world's sampler (Euler ancestral, 20 steps,
 guidance 5) and judged by the domain's tiny-world classifier. EA = fraction of name-prompt images
 where the erased concept is **not** found; RA = fraction of other-concept images where their
 concept **is** found (EMMA's definitions). A method passes when every concept reaches EA ≥ 0.8
@@ -385,7 +413,7 @@ Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on 
 {presets}
 
 Command: `{command}` — {time.strftime('%Y-%m-%d %H:%M %Z')}, torch {torch.__version__},
-{torch.get_num_threads()} CPU threads.
+{threads}.
 """
 
 
@@ -488,8 +516,10 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[Ce
         save_grid(grid_rows, grid)
         grid_name = grid.name
     if args.report:  # the cells came from earlier runs: name the run that reproduces them
+        own = sorted({r.n_name for r in rows})
+        ipp = f" --images-per-prompt {own[0]}" if len(own) == 1 and own[0] != default_images_per_prompt() else ""
         command = (f"python scripts/eval_methods_tinyworld.py --methods {','.join(methods)} --threads "
-                   f"{rows[0].threads if rows else 1}  (cells run in several processes sharing one cache, "
+                   f"{rows[0].threads if rows else 1}{ipp}  (cells run in several processes sharing one cache, "
                    f"table assembled with --report)")
     else:
         given = argv if argv is not None else sys.argv[1:]

@@ -358,3 +358,25 @@ def test_the_page_says_what_one_cell_of_n_name_images_can_show():
                                                                           0.0, 1.0, {}) for s in range(3)}),
                        ["circle"], "cmd", None)
     assert "With 10 name images a cell's EA is a count out of 10" in page
+
+
+def test_the_page_states_the_cells_own_images_per_prompt_and_threads(tmp_path):
+    """A table of cells run with --images-per-prompt 50 says 50 (not the domain's 10), its
+    --report command names the count, and the threads line is the cells' (not the report's)."""
+    def row(n, threads):
+        return ev.CellRates("uce", "circle", 0, threads, 1.0, 1.0, n, 5 * n, 1.0, 2.0, {})
+
+    base = ev.Bases({("circle", 0): ev.CellRates("none", "circle", 0, 1, 0.0, 1.0, 50, 250, 0.0, 1.0, {})})
+    fifty = ev.markdown([row(50, 1)], base, ["circle"], "cmd", None)
+    assert "(50 images per prompt; the domain's default is 10)" in fifty and "the domain's 10 images" not in fifty
+    assert "1 torch thread per cell." in fifty and "CPU threads" not in fifty
+    ten = ev.markdown([row(10, 2)], base, ["circle"], "cmd", None)
+    assert "(the domain's 10 images per prompt)" in ten and "2 torch threads per cell." in ten
+    js = tmp_path / "cells.json"
+    ev.write_json(js, base, [row(50, 1)], [])
+    out = tmp_path / "page.md"
+    ev.main(["--report", str(js), "--out", str(out), "--no-grid"])
+    assert "--threads 1 --images-per-prompt 50  (cells run" in out.read_text()
+    ev.write_json(js, base, [row(10, 1)], [])
+    ev.main(["--report", str(js), "--out", str(out), "--no-grid"])
+    assert "--images-per-prompt" not in out.read_text()
