@@ -300,8 +300,10 @@ def resolution(rows: Sequence[CellRates], bar: float = 0.8) -> str:
 
 
 def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], command: str,
-             grid_name: str | None, errors: Sequence[dict[str, Any]] = (), shared: bool = False) -> str:
-    """The page; ``shared``: its cells ran in several processes at once (``--report``)."""
+             grid_name: str | None, errors: Sequence[dict[str, Any]] = (), shared: bool = False,
+             title: str = "Erasure methods on the tiny world", lead: str = "") -> str:
+    """The page; ``shared``: its cells ran in several processes at once (``--report``); ``lead``:
+    a paragraph under the title (what this selection of cells is)."""
     summary = summarize(rows, base)
     for e in errors:  # a method with a cell that could not run does not pass
         if e["method"] in summary:
@@ -378,9 +380,10 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
             f"seeds 0-7):\n\n![samples]({grid_name})\n" if grid_name else "")
     timing = ("; the cells of this table ran in several processes at once, so a time includes waiting for "
               "a core and times compare only roughly (scripts/bench_*.py measure speed)" if shared else "")
-    return f"""# Erasure methods on the tiny world
+    lead = f"{lead.strip()}\n\n" if lead.strip() else ""
+    return f"""# {title}
 
-Each cell is `python -m emma.run method=M concept=C` with the shipped configs: the method's
+{lead}Each cell is `python -m emma.run method=M concept=C` with the shipped configs: the method's
 paper defaults (`conf/method/M.yaml`) with its tiny-world preset (`conf/preset/method/M_tiny.yaml`,
 and `conf/preset/method_domain/M_tiny_tinyworld_style.yaml` for a style where one exists),
 chosen automatically because the default model is the tiny world; a style runs in the
@@ -430,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "methods_tinyworld.md")
     ap.add_argument("--json", type=Path, default=None, help="also write every cell's rates as JSON")
     ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--title", default="Erasure methods on the tiny world", help="the page's title")
+    ap.add_argument("--lead", default="", help="a paragraph under the title: what this selection of cells is")
     ap.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
                     help="write the table from --json files of earlier runs (cells in their order) instead of "
                          "running cells; the grid is drawn from the cache")
@@ -525,7 +530,8 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[Ce
         given = argv if argv is not None else sys.argv[1:]
         command = ("python scripts/eval_methods_tinyworld.py " + " ".join(given)).strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, base, concepts, command, grid_name, errors, shared=bool(args.report)))
+    args.out.write_text(markdown(rows, base, concepts, command, grid_name, errors, shared=bool(args.report),
+                                         title=args.title, lead=args.lead))
     print(f"wrote {args.out}")
 
 

@@ -380,3 +380,16 @@ def test_the_page_states_the_cells_own_images_per_prompt_and_threads(tmp_path):
     ev.write_json(js, base, [row(10, 1)], [])
     ev.main(["--report", str(js), "--out", str(out), "--no-grid"])
     assert "--images-per-prompt" not in out.read_text()
+
+
+def test_a_page_of_selected_cells_carries_its_own_title_and_lead(tmp_path):
+    base = ev.Bases({("circle", 0): ev.CellRates("none", "circle", 0, 1, 0.0, 1.0, 10, 50, 0.0, 1.0, {})})
+    rows = [ev.CellRates("uce", "circle", 0, 1, 1.0, 1.0, 10, 50, 1.0, 2.0, {})]
+    plain = ev.markdown(rows, base, ["circle"], "cmd", None)
+    assert plain.startswith("# Erasure methods on the tiny world\n\nEach cell is")
+    js = tmp_path / "cells.json"
+    ev.write_json(js, base, rows, [])
+    out = tmp_path / "page.md"
+    ev.main(["--report", str(js), "--out", str(out), "--no-grid", "--title", "Re-check",
+             "--lead", "Cells near the bar."])
+    assert out.read_text().startswith("# Re-check\n\nCells near the bar.\n\nEach cell is")
