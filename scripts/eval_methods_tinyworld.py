@@ -241,14 +241,12 @@ def settings_line(method: str, config: dict[str, Any], concepts: Sequence[str]) 
 
 
 def default_images_per_prompt() -> int:
-    """The tiny-world domains' images per prompt (``conf/domain/tinyworld*.yaml``); a
-    ConfigError if the two domains disagree, since the page states one default."""
-    from omegaconf import OmegaConf
-
+    """The tiny-world domains' images per prompt (their domain configs, read through the
+    registry); a ConfigError if the two domains disagree, since the page states one default."""
+    from emma import registry
     from emma.errors import ConfigError
 
-    counts = {int(OmegaConf.load(ROOT / "conf" / "domain" / f"{name}.yaml").images_per_prompt)
-              for name in ("tinyworld", "tinyworld_style")}
+    counts = {int(registry.load("domain", name).images_per_prompt) for name in ("tinyworld", "tinyworld_style")}
     if len(counts) != 1:
         raise ConfigError(f"the tiny-world domains draw different images per prompt ({sorted(counts)}); "
                           "the methods page states one")
