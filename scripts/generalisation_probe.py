@@ -45,7 +45,7 @@ from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
 from emma.errors import EmmaError, UnknownChoiceError  # noqa: E402
 from emma.metrics.intervals import beta_binomial_interval, wilson_interval  # noqa: E402
 from emma.tinyworld.generalisation import BASE_RATE_WORDS, CONTROLS, PROBE, kind, random_words  # noqa: E402
-from emma.tinyworld.quality import make_target, target_for  # noqa: E402
+from emma.tinyworld.quality import make_target  # noqa: E402
 from emma.tinyworld.world import SHAPES, STYLES, with_template  # noqa: E402
 
 TEMPLATE = "an image of a {x}"
@@ -71,9 +71,11 @@ def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, n
     return {w: {c: found[c][k * n : (k + 1) * n] for c in concepts} for k, w in enumerate(words)}
 
 
-def erased_pipeline(method: str, concept: str, overrides: list[str], cache: str | Path) -> tuple[Any, dict]:
-    """The pipeline that the cell ``method=<method> concept=<concept>`` erases (a style in the
-    ``tinyworld_style`` domain), through the cell's own stages and presets, and what it is."""
+def erased_generator(method: str, concept: str, overrides: list[str], cache: str | Path) -> tuple[Any, dict]:
+    """The generator of the cell ``method=<method> concept=<concept>`` (a style in the
+    ``tinyworld_style`` domain): its erased model, through the cell's own stages and presets,
+    drawn as the cell draws it, with the method's sampling-time guidance where it has one (SLD,
+    SPM's Facilitated Transport); and what it is."""
     from eval_methods_tinyworld import concept_overrides
 
     from emma import registry
@@ -81,8 +83,17 @@ def erased_pipeline(method: str, concept: str, overrides: list[str], cache: str 
 
     ctx = erased_cell(registry.compose([f"method={method}", *concept_overrides(concept),
                                         f"paths.cache_dir={cache}", *overrides]))
-    return ctx.erased.pipe, {"method": method, "concept": concept, "overrides": list(overrides),
-                      "erased_fingerprint": ctx.erased.fingerprint}
+    return ctx.generator, {"method": method, "concept": concept, "overrides": list(overrides),
+                           "erased_fingerprint": ctx.erased.fingerprint,
+                           "guidance": ctx.guidance.name if ctx.guidance is not None else None}
+
+
+def judged_by(generator: Any, classifier: Any, cache: str | Path) -> Any:
+    """``generator`` judged by ``classifier``, its scores cached in ``cache``."""
+    from emma.cache import ScoreCache
+    from emma.generate import GenerationTarget, Judge
+
+    return GenerationTarget(generator, Judge(classifier, ScoreCache(cache, classifier.cache_key())))
 
 
 def run(assets: Path, n: int, seed: int, n_random: int, erased: tuple[str, str, list[str]] | None = None,
@@ -95,8 +106,8 @@ def run(assets: Path, n: int, seed: int, n_random: int, erased: tuple[str, str, 
         if erased is None:
             target = make_target(assets / "pipeline", clf, cache)
         else:
-            pipe, model = erased_pipeline(*erased, cache=cache if erase_cache is None else erase_cache)
-            target = target_for(pipe, clf, cache)
+            gen, model = erased_generator(*erased, cache=cache if erase_cache is None else erase_cache)
+            target = judged_by(gen, clf, cache)
         rand_words = random_words(n_random, seed)
         # one seed per image across the three lists
         probe = judged(target, list(PROBE), n, seed)

@@ -97,15 +97,23 @@ def test_words_that_evoke_an_erased_shape_are_erased_with_it(tmp_path):
     world 3: base 24 of 24 images, erased 1 of 24 at seed 5000, one thread); "gem" keeps drawing
     diamonds (8 of 8 both)."""
     from classifiers.tinyworld import TinyWorldClassifier
-    from emma.tinyworld.quality import make_target, target_for
+    from emma.tinyworld.quality import make_target
 
     torch.set_num_threads(1)
     clf = TinyWorldClassifier(weights=gp.DEFAULT_ASSETS / "classifier.safetensors")
     words = ["wheel", "clock", "tire", "gem"]
     base = gp.judged(make_target(gp.DEFAULT_ASSETS / "pipeline", clf, tmp_path / "base"), words, 8, 5000)
-    pipe, model = gp.erased_pipeline("uce", "circle", [], tmp_path / "erase")
-    erased = gp.judged(target_for(pipe, clf, tmp_path / "erased"), words, 8, 5000)
-    assert model["method"] == "uce" and len(model["erased_fingerprint"]) == 64
+    gen, model = gp.erased_generator("uce", "circle", [], tmp_path / "erase")
+    erased = gp.judged(gp.judged_by(gen, clf, tmp_path / "erased"), words, 8, 5000)
+    assert model["method"] == "uce" and len(model["erased_fingerprint"]) == 64 and model["guidance"] is None
     circles = lambda table: sum(int(table[w]["circle"].sum()) for w in words[:3])  # noqa: E731
     assert circles(base) >= 20 and circles(erased) <= 8
     assert int(base["gem"]["diamond"].sum()) >= 5 and int(erased["gem"]["diamond"].sum()) >= 5
+
+
+def test_an_erased_model_is_drawn_with_its_sampling_guidance(tmp_path) -> None:
+    """SLD (and SPM's Facilitated Transport) act at sampling: the probe draws the erased model
+    through the cell's generator, which applies the guidance, not through the bare pipeline."""
+    gen, model = gp.erased_generator("sld", "circle", [], tmp_path / "erase")
+    assert model["guidance"] == gen.guidance.name
+    assert model["guidance"]
