@@ -475,9 +475,29 @@ def cli() -> None:
         startup.end()
 
 
+# Hydra's modes: one per command line (``-m --cfg job`` is the harness's own, :func:`show_sweep`)
+HYDRA_MODES = {"--run": "--run", "-r": "--run", "--multirun": "-m", "-m": "-m", "--cfg": "--cfg",
+               "-c": "--cfg", "--info": "--info", "-i": "--info", "--shell-completion": "--shell-completion",
+               "-sc": "--shell-completion"}
+
+
+def mode_conflict(argv: list[str]) -> str | None:
+    """The one-line error for a command line with two of Hydra's modes (which Hydra reports
+    with a traceback), or ``None``."""
+    modes = list(dict.fromkeys(HYDRA_MODES[a] for a in argv if a in HYDRA_MODES))
+    if len(modes) < 2 or set(modes) == {"-m", "--cfg"}:
+        return None
+    return (f"error: {' and '.join(modes)} cannot be combined; give one of --run, -m/--multirun, --cfg, "
+            "--info, --shell-completion (or -m --cfg job to print a sweep's cells)")
+
+
 def _cli(argv: list[str]) -> None:
     if "--list" in argv:
         sys.exit(list_components(argv))
+    conflict = mode_conflict(argv)
+    if conflict:
+        print(conflict, file=sys.stderr)
+        sys.exit(exit_codes.USER_ERROR)
     if any(a in ("--cfg", "-c") for a in argv) and any(a in ("-m", "--multirun") for a in argv):
         sys.exit(show_sweep(argv))
     try:

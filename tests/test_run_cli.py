@@ -220,3 +220,25 @@ def test_incompatible_checkpoint_is_a_clear_error_and_the_cache_survives(tmp_pat
     after = _cache_bytes(cache)
     assert {k: v for k, v in after.items() if k in before} == before
     assert not [k for k in after if k.endswith(".tmp") or ".tmp" in Path(k).parts[0]]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["-m", "--info"], "-m and --info"),
+    (["--cfg", "job", "--info"], "--cfg and --info"),
+    (["--multirun", "-m", "--info", "method=esd"], "-m and --info"),
+])
+def test_two_hydra_modes_are_one_line_error(args, named, tmp_path):
+    out = emma_run(list(args), tmp_path)
+    assert out.returncode == 2
+    err = out.stderr.strip()
+    assert err.startswith(f"error: {named} cannot be combined;") and "Traceback" not in out.stderr
+    assert len(err.splitlines()) == 1
+
+
+def test_mode_conflict_leaves_single_modes_and_the_sweep_listing():
+    from emma.run import mode_conflict
+
+    assert mode_conflict(["-m", "method=esd,uce"]) is None
+    assert mode_conflict(["-m", "--cfg", "job"]) is None
+    assert mode_conflict(["--info"]) is None
+    assert mode_conflict(["-c", "job", "-r"]) is not None
