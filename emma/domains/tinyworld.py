@@ -97,9 +97,17 @@ class TinyWorldStyleSuite(PromptSuite):
         subject = f"{prefix} {self.subject}".strip()
         return world.with_template("a {x}", f"{subject} {style_phrase}")
 
+    def name_prompt(self, style_word: str) -> str:
+        """The name prompt with ``style_word`` as its style: "a star in striped style"."""
+        return self._styled(f"in {style_word} style")
+
+    def subject_prompt(self) -> str:
+        """The subject without a style phrase: "a star"."""
+        return world.with_template("a {x}", self.subject)
+
     def prompts(self, domain: Domain, concept: str) -> dict[str, list[tuple[str, str]]]:
         return {
-            "name": [(self._styled(f"in {concept} style"), concept)],
+            "name": [(self.name_prompt(concept), concept)],
             "prefix": [
                 (self._styled(f"in {concept} style", p), concept)
                 for words in domain.prefixes.values()
@@ -108,8 +116,8 @@ class TinyWorldStyleSuite(PromptSuite):
             "variant": [(self._styled(f", {v} background").replace(" ,", ","), concept)
                         for v in world.STYLE_VARIANTS[concept]],
             "short": [(self._styled(s), concept) for s in world.STYLE_SHORT[concept]],
-            "random": [(self._styled(f"in {c} style"), c) for c in domain.random_concepts(concept)],
-            "similar": [(self._styled(f"in {c} style"), c) for c in domain.similar.get(concept, [])],
+            "random": [(self.name_prompt(c), c) for c in domain.random_concepts(concept)],
+            "similar": [(self.name_prompt(c), c) for c in domain.similar.get(concept, [])],
         }
 
     def config(self) -> dict[str, Any]:
