@@ -41,6 +41,11 @@ SHAPES = ("circle", "square", "triangle", "star", "heart", "cross", "crescent", 
 # measures; the page links there. A method failing more cells than LIST_FAILING_UP_TO gets one line.
 BELOW_THE_BAR = ("esd_u", "fmn", "sld", "sld_weak", "sld_strong", "sld_max")
 LIST_FAILING_UP_TO = 6
+# The style a style word without meaning draws (scripts/style_fallback.py): a miss on it links the
+# limits page's section on why plain is where an eraser short of its target shows.
+FALLBACK_STYLE = "plain"
+FALLBACK_WHY = ("(plain is what a meaningless style word draws: [methods_tinyworld_limits.md]"
+                "(methods_tinyworld_limits.md#plain-the-style-a-meaningless-style-word-draws))")
 STYLES = ("plain", "striped", "dotted", "checkered")
 RATE_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random]")
 
@@ -348,6 +353,7 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
                   + ", ".join(x for x in (f"EA {r.ea_name:.2f} < 0.8" if low_ea(r) else "",
                                           f"RA {r.ra_random:.2f} < 0.8 x {base.of(r).ra_random:.2f}"
                                           if low_ra(r) else "") if x)
+                  + (f" {FALLBACK_WHY}" if r.concept == FALLBACK_STYLE else "")
                   for r in mine]
     below += [f"- {e['method']} / {e['concept']} (seed {e['seed']}): stopped with an error: {e['error']}"
               for e in errors]

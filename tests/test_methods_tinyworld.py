@@ -319,8 +319,19 @@ def test_a_method_failing_many_cells_gets_one_line_and_a_documented_one_links_it
     failing = text.split("## Cells below the bar")[1]
     assert "- fmn: 8 of 8 cells, 0 on EA name and 8 on RA random (why: [methods_tinyworld_limits.md]" in failing
     assert "- spm: 8 of 8 cells, 8 on EA name and 0 on RA random\n" in failing  # not documented: no link
-    assert "- uce / diamond (seed 0): EA 0.70 < 0.8" in failing  # one failing cell: listed by itself
+    assert "- uce / diamond (seed 0): EA 0.70 < 0.8\n" in failing  # one failing cell: listed by itself
     assert "fmn / circle" not in failing
+
+
+def test_a_miss_on_plain_links_why_plain_is_the_hardest_style():
+    base = ev.Bases({(c, 0): ev.CellRates("none", c, 0, 1, 0.0, 1.0, 10, 20, 0.0, 1.0, {}) for c in ev.STYLES})
+    rows = [ev.CellRates("spm", c, 0, 1, 0.0 if c == "plain" else 1.0, 1.0, 10, 20, 1.0, 2.0, {})
+            for c in ev.STYLES] + [ev.CellRates("uce", "dotted", 0, 1, 0.7, 1.0, 10, 20, 1.0, 2.0, {})]
+    failing = ev.markdown(rows, base, list(ev.STYLES), "cmd", None).split("## Cells below the bar")[1]
+    assert ("- spm / plain (seed 0): EA 0.00 < 0.8 (plain is what a meaningless style word draws: "
+            "[methods_tinyworld_limits.md](methods_tinyworld_limits.md#plain-the-style-a-meaningless-style-word-draws))"
+            ) in failing
+    assert "- uce / dotted (seed 0): EA 0.70 < 0.8\n" in failing
 
 
 def test_the_settings_line_names_only_preset_files_that_exist():
