@@ -48,6 +48,7 @@ FALLBACK_WHY = ("(plain is what a meaningless style word draws: [methods_tinywor
                 "(methods_tinyworld_limits.md#plain-the-style-a-meaningless-style-word-draws))")
 STYLES = ("plain", "striped", "dotted", "checkered")
 RATE_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random]")
+VARIANT_OVERRIDES = ("metrics=rates_only", "prompt_types=[name,random,variant]")
 
 
 def compose(overrides: Sequence[str]) -> Any:
@@ -73,6 +74,11 @@ class CellRates:
     #: where the cell ran: the libraries and runtime (CPU, torch threads) its results.json
     #: records; float rounding follows both, so a figure is checked against its machine
     environment: dict[str, Any] = field(default_factory=dict)
+    #: EA on the domain's variant prompts (synonyms of a shape, other words for a style), with
+    #: ``--variants``: what the bar does not see, whether an erasure reaches the concept's other
+    #: names; ``None`` when not measured
+    ea_variant: float | None = None
+    n_variant: int = 0
 
 
 class Bases(dict):
@@ -97,13 +103,15 @@ def concept_overrides(concept: str) -> list[str]:
 
 
 def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt: int | None = None,
-                  cache_dir: str | Path, overrides: Sequence[str] = (), threads: int | None = None) -> CellRates:
-    """Run the cell ``method=<method> concept=<concept>`` (EA name + RA random only) and
-    return its rates; a style runs in the ``tinyworld_style`` domain. ``images_per_prompt=None``
-    keeps the domain's default (10)."""
+                  cache_dir: str | Path, overrides: Sequence[str] = (), threads: int | None = None,
+                  variants: bool = False) -> CellRates:
+    """Run the cell ``method=<method> concept=<concept>`` (EA name + RA random only; with
+    ``variants`` also EA on the variant prompts) and return its rates; a style runs in the
+    ``tinyworld_style`` domain. ``images_per_prompt=None`` keeps the domain's default (10)."""
     from emma.cell import run_cell
 
-    ov = [f"method={method}", *concept_overrides(concept), f"seed={seed}", *RATE_OVERRIDES,
+    rates = VARIANT_OVERRIDES if variants else RATE_OVERRIDES
+    ov = [f"method={method}", *concept_overrides(concept), f"seed={seed}", *rates,
           f"paths.cache_dir={cache_dir}"]
     if images_per_prompt is not None:
         ov.append(f"images_per_prompt={images_per_prompt}")
@@ -124,7 +132,9 @@ def evaluate_cell(method: str, concept: str, *, seed: int = 0, images_per_prompt
                      ea_name=m["ea/name"].value, ra_random=m["ra/random"].value, n_name=m["ea/name"].n,
                      n_random=m["ra/random"].n, unlearning_s=m["time/unlearning_s"].value, wall_s=wall,
                      method_config=result.versions["components"]["method"],
-                     environment={k: result.versions[k] for k in ("libraries", "runtime")})
+                     environment={k: result.versions[k] for k in ("libraries", "runtime")},
+                     ea_variant=m["ea/variant"].value if variants else None,
+                     n_variant=m["ea/variant"].n if variants else 0)
 
 
 # ---------------------------------------------------------------------------- sample grid
@@ -302,6 +312,29 @@ def resolution(rows: Sequence[CellRates], bar: float = 0.8) -> str:
     return "\n\n".join(out)
 
 
+def variant_section(rows: Sequence[CellRates], concepts: Sequence[str]) -> str:
+    """EA on the variant prompts, per method and concept (the lowest over seeds), for the rows
+    that measured it (``--variants``); empty when none did. Not part of the bar: it shows whether
+    a preset that passes on the name also erases the concept's other names."""
+    measured = [r for r in rows if r.ea_variant is not None]
+    if not measured:
+        return ""
+    lines = ["| method | mean | " + " | ".join(concepts) + " |", "|---|---|" + "---|" * len(concepts)]
+    for method in dict.fromkeys(r.method for r in measured):
+        mine = [r for r in measured if r.method == method]
+        by: dict[str, list[float]] = {}
+        for r in mine:
+            by.setdefault(r.concept, []).append(r.ea_variant)
+        mean = sum(r.ea_variant for r in mine) / len(mine)
+        lines.append(f"| {method} | {mean:.2f} | " + " | ".join(
+            f"{min(by[c]):.2f}" if c in by else "–" for c in concepts) + " |")
+    n = "/".join(str(k) for k in sorted({r.n_variant for r in measured}))
+    return ("\n## EA on the variant prompts (not part of the bar; the lowest over seeds)\n\n"
+            f"The domain's variant prompts (a shape's synonyms, \"disc\" for the circle; a style's other "
+            f"words), {n} images per cell: an erasure that passes on the name but not here leaves the "
+            "concept reachable by its other names.\n\n" + "\n".join(lines) + "\n")
+
+
 def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], command: str,
              grid_name: str | None, errors: Sequence[dict[str, Any]] = (), shared: bool = False,
              title: str = "Erasure methods on the tiny world", lead: str = "") -> str:
@@ -385,6 +418,9 @@ def markdown(rows: list[CellRates], base: Bases, concepts: Sequence[str], comman
     timing = ("; the cells of this table ran in several processes at once, so a time includes waiting for "
               "a core and times compare only roughly (scripts/bench_*.py measure speed)" if shared else "")
     lead = f"{lead.strip()}\n\n" if lead.strip() else ""
+    variants_said = (" (and EA on the variant prompts, shown apart)"
+                     if any(r.ea_variant is not None for r in rows) else "")
+    ptypes = "name,random,variant" if variants_said else "name,random"
     return f"""# {title}
 
 {lead}Each cell is `python -m emma.run method=M concept=C` with the shipped configs: the method's
@@ -392,8 +428,8 @@ paper defaults (`conf/method/M.yaml`) with its tiny-world preset (`conf/preset/m
 and `conf/preset/method_domain/M_tiny_tinyworld_style.yaml` for a style where one exists),
 chosen automatically because the default model is the tiny world; a style runs in the
 `tinyworld_style` domain (`domain=tinyworld_style concept=C`). Only EA on the name prompt
-and RA on random prompts of the other concepts are computed
-(`metrics=rates_only prompt_types=[name,random]`): {"; ".join(counts) or "no cells"}
+and RA on random prompts of the other concepts are computed{variants_said}
+(`metrics=rates_only prompt_types=[{ptypes}]`): {"; ".join(counts) or "no cells"}
 ({images_phrase(rows)}), drawn by the tiny world's sampler (Euler ancestral, 20 steps,
 guidance 5) and judged by the domain's tiny-world classifier. EA = fraction of name-prompt images
 where the erased concept is **not** found; RA = fraction of other-concept images where their
@@ -414,7 +450,7 @@ Seeds: {", ".join(map(str, seeds))}. Unlearning time is wall-clock `erase()` on 
 ## Per concept (EA name / RA random; with several seeds, the lowest of each)
 
 {chr(10).join(per)}
-{grid}
+{variant_section(rows, concepts)}{grid}
 ## Settings (resolved constructor arguments)
 
 {presets}
@@ -433,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--images-per-prompt", type=int, default=None, help="default: the domain's (10)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also EA on the domain's variant prompts (reported beside the bar, not part of it)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "eval-methods")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "methods_tinyworld.md")
     ap.add_argument("--json", type=Path, default=None, help="also write every cell's rates as JSON")
@@ -478,6 +516,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     kw = dict(images_per_prompt=args.images_per_prompt, cache_dir=args.cache, threads=args.threads)
     base = Bases({(c, s): evaluate_cell("none", c, seed=s, **kw) for c in concepts for s in seeds})
+    kw["variants"] = args.variants
     print("base: " + ", ".join(f"{c}/{s} {r.ea_name:.2f}/{r.ra_random:.2f}" for (c, s), r in base.items()), flush=True)
     from emma.errors import EmmaError
 
@@ -495,7 +534,9 @@ def main(argv: list[str] | None = None) -> None:
                         write_json(args.json, base, rows, errors)
                     continue
                 ok = r.ea_name >= 0.8 and r.ra_random >= 0.8 * base.of(r).ra_random
-                print(f"{method:>9} {concept:>9} seed {seed}: EA name {r.ea_name:.2f}  RA random {r.ra_random:.2f} "
+                variant = f"  EA variant {r.ea_variant:.2f}" if r.ea_variant is not None else ""
+                print(f"{method:>9} {concept:>9} seed {seed}: EA name {r.ea_name:.2f}{variant}  "
+                      f"RA random {r.ra_random:.2f} "
                       f"(base {base.of(r).ra_random:.2f})  unlearning {r.unlearning_s:.1f}s  "
                       f"cell {r.wall_s:.1f}s  {'ok' if ok else 'FAIL'}", flush=True)
                 rows.append(r)

@@ -404,3 +404,31 @@ def test_a_page_of_selected_cells_carries_its_own_title_and_lead(tmp_path):
     ev.main(["--report", str(js), "--out", str(out), "--no-grid", "--title", "Re-check",
              "--lead", "Cells near the bar."])
     assert out.read_text().startswith("# Re-check\n\nCells near the bar.\n\nEach cell is")
+
+
+def test_variants_measure_ea_on_the_concepts_other_names(tmp_path):
+    """``--variants`` adds EA on the domain's variant prompts. The base model draws the circle
+    from "disc", "orb", "ring" and "round blob" (model card: 1.00 of 30 images), so its EA
+    there is at most one image in eight; the name and random rates are those of the plain cell."""
+    plain = ev.evaluate_cell("none", "circle", seed=0, images_per_prompt=2, cache_dir=tmp_path, threads=1)
+    with_v = ev.evaluate_cell("none", "circle", seed=0, images_per_prompt=2, cache_dir=tmp_path, threads=1,
+                              variants=True)
+    assert plain.ea_variant is None and plain.n_variant == 0
+    assert with_v.n_variant == 8 and with_v.ea_variant <= 0.125
+    assert (with_v.ea_name, with_v.ra_random, with_v.n_name) == (plain.ea_name, plain.ra_random, plain.n_name)
+
+
+def test_the_variant_section_shows_the_lowest_variant_ea_beside_the_bar():
+    concepts = ["circle", "square"]
+    base = ev.Bases({(c, 0): ev.CellRates("none", c, 0, 1, 0.0, 1.0, 10, 50, 0.0, 1.0, {}) for c in concepts})
+    rows = [ev.CellRates("mace", c, s, 1, 1.0, 1.0, 10, 50, 1.0, 2.0, {}, {}, ea, 40)
+            for c, s, ea in (("circle", 0, 0.875), ("circle", 1, 0.425), ("square", 0, 1.0), ("square", 1, 0.9))]
+    text = ev.markdown(rows, base, concepts, "cmd", None)
+    assert "prompt_types=[name,random,variant]" in text
+    section = text.split("## EA on the variant prompts")[1]
+    assert "40 images per cell" in section
+    assert "| mace | 0.80 | 0.42 | 0.90 |" in section  # mean of the four; lowest per concept
+    assert "2 of 2" not in section and "passing" not in section
+    plain = ev.markdown([ev.CellRates("mace", "circle", 0, 1, 1.0, 1.0, 10, 50, 1.0, 2.0, {})], base, concepts,
+                        "cmd", None)
+    assert "## EA on the variant prompts" not in plain and "prompt_types=[name,random]" in plain
