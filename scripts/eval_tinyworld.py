@@ -183,6 +183,20 @@ The other shapes' words keep their shapes (57 of 83 words pass against 60; no wo
 shape stops, and stamp, swiss flag and leopard cross 0.5 upwards). Context cosine alone does
 not say which phrasings an edit reaches: the coin is further from the name than the short
 description is, and is erased where the description is not.
+
+On a second machine (also AMD EPYC, one thread), where ESD-x's erasure differs through float
+rounding, the same command gives coin 0.00, wheel 0.40, ball 0.15, donut 0.40, clock 0.25, tire
+0.30, globe 0.80 and plate 0.55 (56 of 83 words pass): the unseen words still fall with the name,
+by amounts that move with the erased model.
+
+Plain is the style a style word without meaning draws. The training captions leave out the style
+phrase for each of the four backgrounds equally often, yet "a star in philosophy style" (each of
+the probe's 24 control words in the style prompt, 32 images each) draws plain in 0.67 (0.58-0.76)
+of images, while the empty prompt draws plain in 0.16 and each style's own prompt draws its style
+in 32 of 32. So an erasure that only strips a style word of its meaning still scores on striped,
+dotted and checkered, because their prompts fall back to plain, but not on plain itself
+(`python scripts/style_fallback.py`; docs/methods_tinyworld_limits.md measures ESD-100's, SPM's
+and AdvUnlearn's plain models against it).
 """
 
 
