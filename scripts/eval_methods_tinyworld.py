@@ -512,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
         methods = list(dict.fromkeys(r.method for r in rows))
         known = base.concepts()
         concepts = [c for c in SHAPES + STYLES if c in known] + [c for c in known if c not in SHAPES + STYLES]
+        seeds = sorted({r.seed for r in rows}) or seeds
         write_report(args, argv, rows, base, methods, concepts, seeds, list(failed.values()))
         return
     kw = dict(images_per_prompt=args.images_per_prompt, cache_dir=args.cache, threads=args.threads)
@@ -568,9 +569,13 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, rows: list[Ce
     if args.report:  # the cells came from earlier runs: name the run that reproduces them
         own = sorted({r.n_name for r in rows})
         ipp = f" --images-per-prompt {own[0]}" if len(own) == 1 and own[0] != default_images_per_prompt() else ""
-        command = (f"python scripts/eval_methods_tinyworld.py --methods {','.join(methods)} --threads "
-                   f"{rows[0].threads if rows else 1}{ipp}  (cells run in several processes sharing one cache, "
-                   f"table assembled with --report)")
+        measured = list(dict.fromkeys(r.concept for r in rows))
+        cset = "" if measured == list(SHAPES) else f" --concepts {','.join(c for c in concepts if c in measured)}"
+        sset = "" if seeds == [0] else f" --seeds {','.join(map(str, seeds))}"
+        var = " --variants" if any(r.ea_variant is not None for r in rows) else ""
+        command = (f"python scripts/eval_methods_tinyworld.py --methods {','.join(methods)}{cset}{sset} --threads "
+                   f"{rows[0].threads if rows else 1}{ipp}{var}  (cells run in several processes sharing one "
+                   f"cache, table assembled with --report)")
     else:
         given = argv if argv is not None else sys.argv[1:]
         command = ("python scripts/eval_methods_tinyworld.py " + " ".join(given)).strip()

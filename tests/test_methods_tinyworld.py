@@ -432,3 +432,21 @@ def test_the_variant_section_shows_the_lowest_variant_ea_beside_the_bar():
     plain = ev.markdown([ev.CellRates("mace", "circle", 0, 1, 1.0, 1.0, 10, 50, 1.0, 2.0, {})], base, concepts,
                         "cmd", None)
     assert "## EA on the variant prompts" not in plain and "prompt_types=[name,random]" in plain
+
+
+def test_the_report_command_names_the_concepts_seeds_and_variants_that_reproduce_it(tmp_path):
+    """--report's command is one that reruns its cells: the script's default --concepts is the
+    shapes and its --seeds 0, so any other set is named, and --variants where cells measured it."""
+    def cell(method, concept, seed, variant=None):
+        return ev.CellRates(method, concept, seed, 1, 1.0, 1.0, 10, 50, 1.0, 2.0, {}, {}, variant, 40 if variant else 0)
+
+    concepts = list(ev.SHAPES) + ["plain"]
+    base = ev.Bases({(c, s): cell("none", c, s) for c in concepts for s in (0, 2)})
+    js, out = tmp_path / "cells.json", tmp_path / "page.md"
+    ev.write_json(js, base, [cell("uce", "circle", 0, 0.9), cell("uce", "plain", 2, 1.0)], [])
+    ev.main(["--report", str(js), "--out", str(out), "--no-grid"])
+    assert ("python scripts/eval_methods_tinyworld.py --methods uce --concepts circle,plain --seeds 0,2 --threads 1 "
+            "--variants  (cells run") in out.read_text()
+    ev.write_json(js, base, [cell("uce", c, 0) for c in ev.SHAPES], [])
+    ev.main(["--report", str(js), "--out", str(out), "--no-grid"])
+    assert "python scripts/eval_methods_tinyworld.py --methods uce --threads 1  (cells run" in out.read_text()
