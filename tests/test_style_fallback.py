@@ -9,8 +9,6 @@ partial erasure shows as a miss (docs/methods_tinyworld_limits.md).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -66,12 +64,9 @@ def test_each_style_word_draws_its_style(measured: dict) -> None:
     assert by_prompt[""]["plain"] <= 2
 
 
-def test_bad_image_count_is_one_line_error() -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "style_fallback.py"), "--n", "0"],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    assert out.returncode == 2
-    assert out.stderr.strip() == "error: --n must be at least 1, got 0"
+def test_bad_image_count_is_one_line_error(capsys) -> None:
+    assert sf.main(["--n", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --n must be at least 1, got 0"
 
 
 def test_summary_reads_each_measurement_into_one_row(measured: dict) -> None:
@@ -92,8 +87,6 @@ def test_summary_reads_each_measurement_into_one_row(measured: dict) -> None:
     (["--method", "esd"], "error: --method and --concept go together (the cell whose erased model is measured)"),
     (["--summary", "no_such.json"], "error: no measurement file no_such.json; pass files written with --json"),
 ])
-def test_bad_arguments_are_one_line_errors(args: list[str], message: str) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "style_fallback.py"), *args],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    assert out.returncode == 2 and out.stderr.strip() == message
+def test_bad_arguments_are_one_line_errors(args: list[str], message: str, capsys) -> None:
+    assert sf.main(args) == 2
+    assert capsys.readouterr().err.strip() == message
