@@ -53,22 +53,27 @@ DEFAULT_ASSETS = ROOT / "emma" / "tinyworld" / "assets"
 PASS_RATE = 0.5
 
 
-def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, np.ndarray]]:
-    """Per word and per concept of the judge, which of the word's ``n`` images show the concept.
-    Word ``k`` draws the seeds ``seed + k*n`` to ``seed + k*n + n - 1``."""
-    prompts = [with_template(TEMPLATE, w) for w in words for _ in range(n)]
-    seeds = [seed + k * n + i for k in range(len(words)) for i in range(n)]
+def judged_prompts(target, prompts: list[str], n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """Per prompt and per concept of the judge, which of the prompt's ``n`` images show the
+    concept. Prompt ``k`` draws the seeds ``seed + k*n`` to ``seed + k*n + n - 1``."""
+    flat = [p for p in prompts for _ in range(n)]
+    seeds = [seed + k * n + i for k in range(len(prompts)) for i in range(n)]
     clf = target.judge.classifier
     probs = []
     batch = 256
-    for lo in range(0, len(prompts), batch):
-        result = target.generate(prompts[lo : lo + batch], seeds[lo : lo + batch])
+    for lo in range(0, len(flat), batch):
+        result = target.generate(flat[lo : lo + batch], seeds[lo : lo + batch])
         probs.append(clf.predict(result.images))
-        print(f"  {min(lo + batch, len(prompts))}/{len(prompts)} images", flush=True)
+        print(f"  {min(lo + batch, len(flat))}/{len(flat)} images", flush=True)
     allp = torch.cat(probs)
     concepts = list(SHAPES) + list(STYLES)
     found = {c: clf.detect(allp, c).numpy() for c in concepts}
-    return {w: {c: found[c][k * n : (k + 1) * n] for c in concepts} for k, w in enumerate(words)}
+    return [{c: found[c][k * n : (k + 1) * n] for c in concepts} for k in range(len(prompts))]
+
+
+def judged(target, words: list[str], n: int, seed: int) -> dict[str, dict[str, np.ndarray]]:
+    """:func:`judged_prompts` of "an image of a <word>", keyed by word."""
+    return dict(zip(words, judged_prompts(target, [with_template(TEMPLATE, w) for w in words], n, seed)))
 
 
 def erased_generator(method: str, concept: str, overrides: list[str], cache: str | Path) -> tuple[Any, dict]:
@@ -96,18 +101,26 @@ def judged_by(generator: Any, classifier: Any, cache: str | Path) -> Any:
     return GenerationTarget(generator, Judge(classifier, ScoreCache(cache, classifier.cache_key())))
 
 
+def probe_target(assets: Path, cache: str | Path, erased: tuple[str, str, list[str]] | None = None,
+                 erase_cache: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
+    """The judged target a probe measures, and what it is: the pipeline in ``assets``, or with
+    ``erased`` = (method, concept, overrides) the shipped world that method erases the concept
+    from (:func:`erased_generator`; ``erase_cache``: where the erased model is read or written,
+    ``cache`` when ``None``). Images and scores are cached in ``cache``."""
+    clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
+    if erased is None:
+        return (make_target(assets / "pipeline", clf, cache),
+                {"assets": "shipped" if assets == DEFAULT_ASSETS else str(assets)})
+    gen, model = erased_generator(*erased, cache=cache if erase_cache is None else erase_cache)
+    return judged_by(gen, clf, cache), model
+
+
 def run(assets: Path, n: int, seed: int, n_random: int, erased: tuple[str, str, list[str]] | None = None,
         erase_cache: str | Path | None = None) -> dict:
     """The probe on the pipeline in ``assets`` or, with ``erased`` = (method, concept,
     overrides), on the shipped world that method erases the concept from."""
-    clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
-    model: dict[str, Any] = {"assets": "shipped" if assets == DEFAULT_ASSETS else str(assets)}
     with tempfile.TemporaryDirectory() as cache:
-        if erased is None:
-            target = make_target(assets / "pipeline", clf, cache)
-        else:
-            gen, model = erased_generator(*erased, cache=cache if erase_cache is None else erase_cache)
-            target = judged_by(gen, clf, cache)
+        target, model = probe_target(assets, cache, erased, erase_cache)
         rand_words = random_words(n_random, seed)
         # one seed per image across the three lists
         probe = judged(target, list(PROBE), n, seed)

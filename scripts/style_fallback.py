@@ -43,12 +43,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from classifiers.tinyworld import TinyWorldClassifier  # noqa: E402
 from emma.domains.tinyworld import TinyWorldStyleSuite  # noqa: E402
 from emma.errors import EmmaError  # noqa: E402
+from emma.files import atomic_write_text  # noqa: E402
 from emma.metrics.intervals import beta_binomial_interval, wilson_interval  # noqa: E402
 from emma.tinyworld.generalisation import CONTROLS  # noqa: E402
-from emma.tinyworld.quality import make_target  # noqa: E402
 from emma.tinyworld.world import STYLES  # noqa: E402
 
 DEFAULT_ASSETS = ROOT / "emma" / "tinyworld" / "assets"
@@ -64,19 +63,11 @@ def prompt_sets(suite: TinyWorldStyleSuite | None = None) -> dict[str, list[str]
 
 
 def style_counts(target: Any, prompts: list[str], n: int, seed: int) -> list[dict[str, int]]:
-    """Per prompt, how many of its ``n`` images the judge finds in each style."""
-    clf = target.judge.classifier
-    flat = [p for p in prompts for _ in range(n)]
-    seeds = [seed + k * n + i for k in range(len(prompts)) for i in range(n)]
-    found: dict[str, list] = {s: [] for s in STYLES}
-    batch = 256
-    for lo in range(0, len(flat), batch):
-        probs = clf.predict(target.generate(flat[lo : lo + batch], seeds[lo : lo + batch]).images)
-        for s in STYLES:
-            found[s].append(clf.detect(probs, s))
-        print(f"  {min(lo + batch, len(flat))}/{len(flat)} images", flush=True)
-    hits = {s: torch.cat(v) for s, v in found.items()}
-    return [{s: int(hits[s][k * n : (k + 1) * n].sum()) for s in STYLES} for k in range(len(prompts))]
+    """Per prompt, how many of its ``n`` images the judge finds in each style (seeds as
+    :func:`generalisation_probe.judged_prompts` draws them)."""
+    from generalisation_probe import judged_prompts
+
+    return [{s: int(found[s].sum()) for s in STYLES} for found in judged_prompts(target, prompts, n, seed)]
 
 
 def run(assets: Path = DEFAULT_ASSETS, n: int = 32, seed: int = 5000,
@@ -84,17 +75,11 @@ def run(assets: Path = DEFAULT_ASSETS, n: int = 32, seed: int = 5000,
     """The measurement on the pipeline in ``assets`` or, with ``erased`` = (method, concept,
     overrides), on the shipped world that method erases the style from (``erase_cache``: the
     cache the erased model is read from or written to)."""
-    sets = prompt_sets()
-    clf = TinyWorldClassifier(weights=assets / "classifier.safetensors")
-    model: dict[str, Any] = {"assets": "shipped" if assets == DEFAULT_ASSETS else str(assets)}
-    with tempfile.TemporaryDirectory() as cache:
-        if erased is None:
-            target = make_target(assets / "pipeline", clf, cache)
-        else:
-            from generalisation_probe import erased_generator, judged_by
+    from generalisation_probe import probe_target
 
-            gen, model = erased_generator(*erased, cache=cache if erase_cache is None else erase_cache)
-            target = judged_by(gen, clf, cache)
+    sets = prompt_sets()
+    with tempfile.TemporaryDirectory() as cache:
+        target, model = probe_target(assets, cache, erased, erase_cache)
         controls = style_counts(target, sets["controls"], n, seed)
         refs = style_counts(target, sets["references"], n, seed + len(sets["controls"]) * n)
     per_style = {}
@@ -162,14 +147,14 @@ def summary(results: list[dict[str, Any]]) -> str:
     rate at which another style's name prompt draws its own style."""
     lines = ["| model | its name prompt | control words | \"a star\" | empty prompt | other styles' own (least) |",
              "|---|---|---|---|---|---|"]
+    suite = TinyWorldStyleSuite()
     for res in results:
         model = res["model"]
-        style = model.get("concept", "plain")
-        label = f"{model['method']} / {style}, seed {model['overrides'][0].split('=')[1]}" if "method" in model \
-            else f"base ({style})"
+        style = model.get("concept", "plain")  # the base model's row: plain, the fallback
+        seed = next((o.split("=", 1)[1] for o in model.get("overrides", []) if o.startswith("seed=")), "0")
+        label = f"{model['method']} / {style}, seed {seed}" if "method" in model else f"base ({style})"
         n = res["n_per_prompt"]
         ref = {r["prompt"]: r["counts"] for r in res["references"]}
-        suite = TinyWorldStyleSuite()
         c = res["controls"][style]
         others = min(ref[suite.name_prompt(s)][s] for s in res["styles"] if s != style) / n
         lines.append(f"| {label} | {ref[suite.name_prompt(style)][style] / n:.2f} | {c['rate']:.2f} "
@@ -186,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--method", help="measure the model this method erases --concept from")
     ap.add_argument("--concept", help="the erased style (with --method)")
-    ap.add_argument("--cell-seed", dest="cell_seed", type=int, default=0,
-                    help="the erasing cell's seed (with --method)")
+    ap.add_argument("--cell-seed", dest="cell_seed", type=int, default=None,
+                    help="the erasing cell's seed (with --method; default 0)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override of the erasing cell")
     ap.add_argument("--cache", type=Path, help="cache of erased models (with --method)")
     ap.add_argument("--summary", nargs="+", type=Path, metavar="JSON",
@@ -220,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --method and --concept go together (the cell whose erased model is measured)",
               file=sys.stderr)
         return 2
+    cell_only = [f for f, v in (("--cell-seed", args.cell_seed), ("--cache", args.cache),
+                                ("--override", args.override)) if v not in (None, [])]
+    if args.method is None and cell_only:
+        print(f"error: {', '.join(cell_only)} describe the erasing cell; give them with --method and --concept",
+              file=sys.stderr)
+        return 2
     if args.concept is not None and args.concept not in STYLES:
         print(f"error: unknown tiny-world style {args.concept!r}; valid: {', '.join(STYLES)}", file=sys.stderr)
         return 2
@@ -230,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     erased = None
     if args.method is not None:
-        erased = (args.method, args.concept, [f"seed={args.cell_seed}", *args.override])
+        cell_seed = 0 if args.cell_seed is None else args.cell_seed
+        erased = (args.method, args.concept, [f"seed={cell_seed}", *args.override])
     t0 = time.perf_counter()
     try:
         res = run(args.assets, args.n, args.seed, erased, args.cache)
@@ -242,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     command = f"python scripts/style_fallback.py {argv_text}".strip()
     md = markdown(res, command)
     if args.json:
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        atomic_write_text(args.json, json.dumps(res, indent=1) + "\n", "the measurement")
     if args.markdown:
-        args.markdown.write_text(md)
+        atomic_write_text(args.markdown, md, "the tables")
     print(md)
     return 0
 

@@ -69,16 +69,21 @@ def test_bad_image_count_is_one_line_error(capsys) -> None:
     assert capsys.readouterr().err.strip() == "error: --n must be at least 1, got 0"
 
 
-def test_summary_reads_each_measurement_into_one_row(measured: dict) -> None:
-    lines = sf.summary([measured]).splitlines()
-    assert len(lines) == 3
-    n = measured["n_per_prompt"]
-    ref = {r["prompt"]: r["counts"] for r in measured["references"]}
-    c = measured["controls"]["plain"]
-    assert lines[2] == (f"| base (plain) | {ref['a star in plain style']['plain'] / n:.2f} | {c['rate']:.2f} "
-                        f"({c['ci'][0]:.2f}-{c['ci'][1]:.2f}) | {ref['a star']['plain'] / n:.2f} | "
-                        f"{ref['']['plain'] / n:.2f} | "
-                        f"{min(ref[f'a star in {s} style'][s] for s in STYLES if s != 'plain') / n:.2f} |")
+def test_summary_reads_each_measurement_into_one_row() -> None:
+    """A measurement of known counts (4 images a prompt) gives the row those counts make."""
+    def counts(plain: int, striped: int = 0, dotted: int = 0, checkered: int = 0) -> dict[str, int]:
+        return {"plain": plain, "striped": striped, "dotted": dotted, "checkered": checkered}
+
+    refs = {"": counts(0, 4), "a star": counts(3, 1), "a star in plain style": counts(1, 3),
+            "a star in striped style": counts(2, 2), "a star in dotted style": counts(0, 0, 4),
+            "a star in checkered style": counts(0, 0, 1, 3)}
+    res = {"model": {"method": "spm", "concept": "plain", "overrides": ["method.rank=2", "seed=2"]},
+           "n_per_prompt": 4, "styles": list(STYLES),
+           "controls": {s: {"rate": 0.5, "ci": [0.4, 0.6]} for s in STYLES},
+           "references": [{"prompt": p, "counts": c} for p, c in refs.items()]}
+    assert sf.summary([res]).splitlines()[2] == "| spm / plain, seed 2 | 0.25 | 0.50 (0.40-0.60) | 0.75 | 0.00 | 0.50 |"
+    base = {**res, "model": {"assets": "shipped"}}
+    assert sf.summary([base]).splitlines()[2].startswith("| base (plain) | 0.25 |")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -86,7 +91,23 @@ def test_summary_reads_each_measurement_into_one_row(measured: dict) -> None:
      "error: unknown tiny-world style 'circle'; valid: plain, striped, dotted, checkered"),
     (["--method", "esd"], "error: --method and --concept go together (the cell whose erased model is measured)"),
     (["--summary", "no_such.json"], "error: no measurement file no_such.json; pass files written with --json"),
+    (["--cell-seed", "2", "--cache", "x"],
+     "error: --cell-seed, --cache describe the erasing cell; give them with --method and --concept"),
 ])
 def test_bad_arguments_are_one_line_errors(args: list[str], message: str, capsys) -> None:
     assert sf.main(args) == 2
     assert capsys.readouterr().err.strip() == message
+
+
+def test_an_erased_style_is_measured_through_the_cells_generator(tmp_path) -> None:
+    """SLD at its own settings does not erase plain (the methods page: EA 0.00 at seeds 0-2), and
+    its guidance is applied: the measurement names it and the name prompt still draws plain."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = sf.run(n=2, erased=("sld", "plain", ["seed=0"]), erase_cache=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert res["model"]["method"] == "sld" and res["model"]["guidance"]
+    by_prompt = {r["prompt"]: r["counts"] for r in res["references"]}
+    assert by_prompt["a star in plain style"]["plain"] == 2
