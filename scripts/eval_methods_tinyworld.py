@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
         methods = list(dict.fromkeys(r.method for r in rows))
         known = base.concepts()
         concepts = [c for c in SHAPES + STYLES if c in known] + [c for c in known if c not in SHAPES + STYLES]
-        seeds = sorted({r.seed for r in rows}) or seeds
+        seeds = sorted({r.seed for r in rows} | {e["seed"] for e in failed.values()})
         write_report(args, argv, rows, base, methods, concepts, seeds, list(failed.values()))
         return
     kw = dict(images_per_prompt=args.images_per_prompt, cache_dir=args.cache, threads=args.threads)
