@@ -40,8 +40,11 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "scripts"):  # the package, and the probe this measurement shares
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from generalisation_probe import judged_prompts, probe_target  # noqa: E402
 
 from emma.domains.tinyworld import TinyWorldStyleSuite  # noqa: E402
 from emma.errors import EmmaError  # noqa: E402
@@ -65,8 +68,6 @@ def prompt_sets(suite: TinyWorldStyleSuite | None = None) -> dict[str, list[str]
 def style_counts(target: Any, prompts: list[str], n: int, seed: int) -> list[dict[str, int]]:
     """Per prompt, how many of its ``n`` images the judge finds in each style (seeds as
     :func:`generalisation_probe.judged_prompts` draws them)."""
-    from generalisation_probe import judged_prompts
-
     return [{s: int(found[s].sum()) for s in STYLES} for found in judged_prompts(target, prompts, n, seed)]
 
 
@@ -75,8 +76,6 @@ def run(assets: Path = DEFAULT_ASSETS, n: int = 32, seed: int = 5000,
     """The measurement on the pipeline in ``assets`` or, with ``erased`` = (method, concept,
     overrides), on the shipped world that method erases the style from (``erase_cache``: the
     cache the erased model is read from or written to)."""
-    from generalisation_probe import probe_target
-
     sets = prompt_sets()
     with tempfile.TemporaryDirectory() as cache:
         target, model = probe_target(assets, cache, erased, erase_cache)
